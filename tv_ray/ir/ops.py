@@ -73,7 +73,7 @@ class Op(str, enum.Enum):
     LOG_SOFTMAX = "_log_softmax"                  # attrs: dim
     LOG_SOFTMAX_BACKWARD = "_log_softmax_backward_data"  # (grad, out) attrs: dim
     NLL_LOSS = "nll_loss"                         # (logp, target) attrs: reduction, ignore_index
-    NLL_LOSS_TOTAL_WEIGHT = "nll_loss_total_weight"  # (logp, target) attrs: ignore_index
+    NLL_LOSS_TOTAL_WEIGHT = "nll_loss_total_weight"  # (target) attrs: ignore_index -> float scalar
     NLL_LOSS_BACKWARD = "nll_loss_backward"       # (grad, logp, target, total_weight) attrs: reduction, ignore_index
     # indexing
     EMBEDDING = "embedding"                       # (weight, indices)
@@ -192,8 +192,9 @@ ATTRS: Mapping[Op, Mapping[str, tuple[AttrKind, bool]]] = {
     Op.REDUCE_SCATTER: {"axes": ("axes", REQUIRED), "dim": ("int", REQUIRED), "reduce": ("str", REQUIRED)},
     Op.ALL_TO_ALL: {"axes": ("axes", REQUIRED), "split_dim": ("int", REQUIRED), "concat_dim": ("int", REQUIRED)},
     Op.BROADCAST: {"axes": ("axes", REQUIRED), "root": ("int", REQUIRED)},
-    Op.SEND: {"peer": ("peer", REQUIRED)},
-    Op.RECV: {"peer": ("peer", REQUIRED), "size": ("exprs", REQUIRED), "dtype": ("str", REQUIRED)},
+    Op.SEND: {"peer": ("peer", REQUIRED), "tag": ("int", OPTIONAL)},
+    Op.RECV: {"peer": ("peer", REQUIRED), "size": ("exprs", REQUIRED), "dtype": ("str", REQUIRED),
+              "tag": ("int", OPTIONAL)},
 }
 
 # Number of tensor arguments each op takes; None = variadic (at least one).
@@ -206,7 +207,7 @@ ARITY: Mapping[Op, tuple[int, ...] | None] = {
     Op.MM: (2,), Op.BMM: (2,), Op.ADDMM: (3,),
     Op.SLICE_BACKWARD: (1,), Op.CAT: None,
     Op.SOFTMAX: (1,), Op.LOG_SOFTMAX: (1,), Op.SOFTMAX_BACKWARD: (2,), Op.LOG_SOFTMAX_BACKWARD: (2,),
-    Op.NLL_LOSS: (2,), Op.NLL_LOSS_TOTAL_WEIGHT: (2,), Op.NLL_LOSS_BACKWARD: (4,),
+    Op.NLL_LOSS: (2,), Op.NLL_LOSS_TOTAL_WEIGHT: (1,), Op.NLL_LOSS_BACKWARD: (4,),
     Op.EMBEDDING: (2,), Op.EMBEDDING_BACKWARD: (2,),
     Op.GATHER: (2,), Op.SCATTER: (3,), Op.SCATTER_ADD: (3,), Op.INDEX_SELECT: (2,), Op.INDEX_ADD: (3,),
     Op.TOPK_VALUES: (1,), Op.TOPK_INDICES: (1,),

@@ -1,0 +1,418 @@
+"""The ATen-overload -> IR converter table: one traced joint graph in, one concrete `Graph` out.
+
+Each converter turns one FX node into zero or more IR nodes (zero for aliases
+such as ``detach``, several for multi-output ops such as ``nll_loss_forward``).
+Shapes and shape arguments are concrete ints here; `fit` turns them into
+expressions. An ATen op without a converter is a `CaptureError` naming it and
+the module that ran it.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable
+
+import torch
+
+from tv_ray.errors import CaptureError
+from tv_ray.frontend.trace import Joint
+from tv_ray.ir import Expr, Graph, Node, Op, TensorSpec
+
+aten = torch.ops.aten
+_DTYPES = {torch.float16: "float", torch.bfloat16: "float", torch.float32: "float", torch.float64: "float",
+           torch.int64: "int", torch.int32: "int", torch.bool: "bool"}
+_REDUCTION = {0: "none", 1: "mean", 2: "sum"}
+
+
+def dtype_name(dtype: torch.dtype, where: str) -> str:
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise CaptureError(f"{where}: dtype {dtype} has no IR dtype (float, int, bool)") from None
+
+
+class Converter:
+    """Walks a `Joint` in order; converters call `emit` and `alias`."""
+
+    def __init__(self, joint: Joint, int_highs: dict[str, Any] | None = None):
+        self.joint = joint
+        self.int_highs = int_highs or {}
+        self.nodes: list[Node] = []
+        self.names: dict[str, str | tuple[str, ...]] = {}   # fx name -> IR name (tuple: multi-output)
+        self.empty: dict[str, str] = {}                     # fx name of empty_like -> its template
+        self.fx: torch.fx.Node | None = None
+
+    # -- used by converters -------------------------------------------------------
+    def arg(self, value: Any) -> str:
+        """The IR name of an FX argument."""
+        if not isinstance(value, torch.fx.Node):
+            raise self.error(f"expected a tensor argument, got {value!r}")
+        if value.name in self.empty:
+            raise self.error(f"reads {value.name}, an uninitialised empty_like that was never filled")
+        name = self.names.get(value.name)
+        if not isinstance(name, str):
+            raise self.error(f"argument {value.name} has no single IR value ({name!r})")
+        return name
+
+    def emit(self, op: Op, args: list[str], attrs: dict | None = None, suffix: str = "",
+             val: Any = None) -> str:
+        """Add an IR node for the current FX node (shape and dtype from its fake value)."""
+        node = self.fx
+        val = node.meta["val"] if val is None else val
+        module, phase = self.joint.provenance.get(node.name, ("", "fwd"))
+        if not module:
+            module = self._param_module(node)
+        name = node.name + suffix
+        self.nodes.append(Node.make(name, op, args, attrs or {}, tuple(int(s) for s in val.shape),
+                                    dtype_name(val.dtype, name), {"module": module, "phase": phase}))
+        if not suffix:
+            self.names[node.name] = name
+        return name
+
+    def alias(self, target: str | tuple[str, ...]) -> None:
+        self.names[self.fx.name] = target
+
+    def rank(self, value: Any) -> int:
+        return len(value.meta["val"].shape)
+
+    def error(self, message: str) -> CaptureError:
+        node = self.fx
+        module = self.joint.provenance.get(node.name, ("", ""))[0] if node is not None else ""
+        where = f"node {node.name} ({node.target}) in module {module or '<root>'!r}" if node is not None else ""
+        return CaptureError(f"{where}: {message}")
+
+    def _param_module(self, node: torch.fx.Node) -> str:
+        for a in node.all_input_nodes:
+            if a.name in self.joint.params:
+                return self.joint.params[a.name].rpartition(".")[0]
+        return ""
+
+    # -- the walk -------------------------------------------------------------------
+    def run(self) -> Graph:
+        inputs = []
+        for node in self.joint.gm.graph.nodes:
+            self.fx = node
+            if node.op == "placeholder":
+                inputs.append(self._input(node))
+            elif node.op == "call_function":
+                convert = CONVERTERS.get(node.target)
+                if convert is None:
+                    raise self.error(f"unsupported ATen op {node.target}; add a converter to "
+                                     f"tv_ray.frontend.aten.CONVERTERS or a decomposition to "
+                                     f"tv_ray.frontend.trace.DECOMPOSITIONS")
+                convert(self, *node.args, **node.kwargs)
+        self.fx = None
+        outputs = [("loss", self.names[self.joint.loss])]
+        outputs += [(f"grad/{p}", self.names[n]) for p, n in self.joint.grads.items()]
+        return Graph(tuple(inputs), tuple(self.nodes), tuple(outputs), name="logical")
+
+    def _input(self, node: torch.fx.Node) -> TensorSpec:
+        val = node.meta["val"]
+        shape = tuple(int(s) for s in val.shape)
+        if node.name in self.joint.params:
+            name, role = self.joint.params[node.name], "param"
+        elif node.name in self.joint.user_inputs:
+            name, role = self.joint.user_inputs[node.name], "data"
+        else:
+            raise self.error("placeholder is neither a parameter nor a forward argument (buffers are not supported)")
+        self.names[node.name] = name
+        dtype = dtype_name(val.dtype, name)
+        return TensorSpec(name, tuple(map(_expr, shape)), dtype, role,
+                          _expr(self.int_highs[name]) if name in self.int_highs else None)
+
+
+def _expr(value) -> Expr:
+    return Expr.const(int(value))
+
+
+# -- helpers shared by converters ------------------------------------------------------
+def _dim(cv: Converter, x, dim: int) -> int:
+    return dim % cv.rank(x) if cv.rank(x) else 0
+
+
+def _out_shape(cv: Converter) -> list[int]:
+    return [int(s) for s in cv.fx.meta["val"].shape]
+
+
+def _scalar(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(value)
+    return float(value)
+
+
+def _binary(op: Op) -> Callable:
+    """a (op) b where either side may be a Python scalar (then it is the attribute `other`)."""
+    def convert(cv: Converter, a, b, alpha=None):
+        attrs = {} if alpha in (None, 1) else {"alpha": float(alpha)}
+        if isinstance(b, torch.fx.Node) and isinstance(a, torch.fx.Node):
+            return cv.emit(op, [cv.arg(a), cv.arg(b)], attrs)
+        if isinstance(a, torch.fx.Node):
+            return cv.emit(op, [cv.arg(a)], {**attrs, "other": _scalar(b)})
+        raise cv.error(f"scalar left operand {a!r} is not supported for {op}")
+    return convert
+
+
+def _unary(op: Op) -> Callable:
+    return lambda cv, x: cv.emit(op, [cv.arg(x)])
+
+
+def _drop(cv: Converter, x, *_, **__) -> None:
+    cv.alias(cv.arg(x))
+
+
+def _reduce(op: Op) -> Callable:
+    def convert(cv: Converter, x, dims=None, keepdim=False, dtype=None):
+        dims = range(cv.rank(x)) if not dims else dims
+        return cv.emit(op, [cv.arg(x)], {"dims": sorted(_dim(cv, x, d) for d in dims), "keepdim": bool(keepdim)})
+    return convert
+
+
+def _with_dim(op: Op) -> Callable:
+    """Ops whose only attribute is a dim of their first argument (softmax family, cat, ...)."""
+    def convert(cv: Converter, x, dim, *_):
+        return cv.emit(op, [cv.arg(x)], {"dim": _dim(cv, x, dim)})
+    return convert
+
+
+def _backward_with_dim(op: Op) -> Callable:
+    def convert(cv: Converter, grad, out, dim, _input_dtype):
+        return cv.emit(op, [cv.arg(grad), cv.arg(out)], {"dim": _dim(cv, out, dim)})
+    return convert
+
+
+def _reshape(op: Op) -> Callable:
+    """view/expand: the size attribute is the result's shape (resolves -1 entries)."""
+    return lambda cv, x, _size, *_, **__: cv.emit(op, [cv.arg(x)], {"size": _out_shape(cv)})
+
+
+def _slice_bounds(size: int, start, end, step) -> tuple[int, int, int]:
+    start, end, _ = slice(start, end, step).indices(size)
+    return start, max(start, end), step
+
+
+# -- converters with arguments of their own ------------------------------------------------
+def _arange(cv: Converter, start, end=None, step=1, **kwargs):
+    if end is None:
+        start, end = 0, start
+    return cv.emit(Op.ARANGE, [], {"start": int(start), "end": int(end), "step": int(step),
+                                   "dtype": dtype_name(cv.fx.meta["val"].dtype, cv.fx.name)})
+
+
+def _full(cv: Converter, size, value, **kwargs):
+    return cv.emit(Op.FULL, [], {"size": list(size), "value": float(value),
+                                 "dtype": dtype_name(cv.fx.meta["val"].dtype, cv.fx.name)})
+
+
+def _full_like(value: float | None) -> Callable:
+    def convert(cv: Converter, x, fill=None, **kwargs):
+        return cv.emit(Op.FULL_LIKE, [cv.arg(x)], {"value": float(value if value is not None else fill)})
+    return convert
+
+
+def _empty_like(cv: Converter, x, **kwargs):
+    cv.empty[cv.fx.name] = cv.arg(x)
+
+
+def _fill(cv: Converter, x, value):
+    """fill(x, v) is a tensor shaped like x holding v; an empty_like target contributes only its shape."""
+    template = cv.empty.pop(x.name) if x.name in cv.empty else cv.arg(x)
+    return cv.emit(Op.FULL_LIKE, [template], {"value": float(value)})
+
+
+def _pow_tensor_scalar(cv: Converter, x, exponent):
+    return cv.emit(Op.POW, [cv.arg(x)], {"exponent": float(exponent)})
+
+
+def _pow_scalar(cv: Converter, base, x):
+    return cv.emit(Op.POW, [cv.arg(x)], {"base": float(base)})
+
+
+def _t(cv: Converter, x):
+    if cv.rank(x) < 2:
+        return cv.alias(cv.arg(x))
+    return cv.emit(Op.TRANSPOSE, [cv.arg(x)], {"dim0": 0, "dim1": 1})
+
+
+def _transpose(cv: Converter, x, dim0, dim1):
+    return cv.emit(Op.TRANSPOSE, [cv.arg(x)], {"dim0": _dim(cv, x, dim0), "dim1": _dim(cv, x, dim1)})
+
+
+def _permute(cv: Converter, x, dims):
+    return cv.emit(Op.PERMUTE, [cv.arg(x)], {"dims": [_dim(cv, x, d) for d in dims]})
+
+
+def _unsqueeze(cv: Converter, x, dim):
+    return cv.emit(Op.UNSQUEEZE, [cv.arg(x)], {"dim": dim % (cv.rank(x) + 1)})
+
+
+def _squeeze(cv: Converter, x, dim):
+    return cv.emit(Op.SQUEEZE, [cv.arg(x)], {"dim": _dim(cv, x, dim)})
+
+
+def _cat(cv: Converter, xs, dim=0):
+    return cv.emit(Op.CAT, [cv.arg(x) for x in xs], {"dim": _dim(cv, xs[0], dim)})
+
+
+def _slice(cv: Converter, x, dim=0, start=None, end=None, step=1):
+    dim = _dim(cv, x, dim)
+    start, end, step = _slice_bounds(int(x.meta["val"].shape[dim]), start, end, step)
+    return cv.emit(Op.SLICE, [cv.arg(x)], {"dim": dim, "start": start, "end": end, "step": step})
+
+
+def _slice_backward(cv: Converter, grad, input_sizes, dim, start, end, step):
+    dim = dim % len(input_sizes)
+    start, end, step = _slice_bounds(int(input_sizes[dim]), start, end, step)
+    return cv.emit(Op.SLICE_BACKWARD, [cv.arg(grad)], {"input_size": list(input_sizes), "dim": dim,
+                                                       "start": start, "end": end, "step": step})
+
+
+def _split(cv: Converter, x, split_size, dim=0):
+    """split -> one slice per chunk (the getitems then pick them)."""
+    dim = _dim(cv, x, dim)
+    size = int(x.meta["val"].shape[dim])
+    outs = []
+    for i, val in enumerate(cv.fx.meta["val"]):
+        start, end, _ = _slice_bounds(size, i * split_size, (i + 1) * split_size, 1)
+        outs.append(cv.emit(Op.SLICE, [cv.arg(x)], {"dim": dim, "start": start, "end": end, "step": 1},
+                            suffix=f"_{i}", val=val))
+    cv.alias(tuple(outs))
+
+
+def _rsub(cv: Converter, x, other, alpha=1):
+    """other - alpha*x as add(neg(x) [scaled], other)."""
+    if alpha != 1:
+        raise cv.error(f"rsub with alpha={alpha} is not supported (only 1)")
+    negated = cv.emit(Op.NEG, [cv.arg(x)], suffix="_neg")
+    return cv.emit(Op.ADD, [negated], {"other": _scalar(other)})
+
+
+def _triu(cv: Converter, x, diagonal=0):
+    return cv.emit(Op.TRIU, [cv.arg(x)], {"diagonal": int(diagonal)})
+
+
+def _addmm(cv: Converter, bias, a, b, beta=1, alpha=1):
+    if beta != 1 or alpha != 1:
+        raise cv.error(f"addmm with beta={beta}, alpha={alpha} is not supported (only 1, 1)")
+    return cv.emit(Op.ADDMM, [cv.arg(bias), cv.arg(a), cv.arg(b)])
+
+
+def _gelu(cv: Converter, x, approximate="none"):
+    return cv.emit(Op.GELU, [cv.arg(x)], {"approximate": approximate})
+
+
+def _embedding(cv: Converter, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    if padding_idx != -1 or scale_grad_by_freq or sparse:
+        raise cv.error("embedding with padding_idx, scale_grad_by_freq or sparse is not supported")
+    return cv.emit(Op.EMBEDDING, [cv.arg(weight), cv.arg(indices)])
+
+
+def _embedding_backward(cv: Converter, grad, indices, num_weights, padding_idx, scale_grad_by_freq):
+    if padding_idx != -1 or scale_grad_by_freq:
+        raise cv.error("embedding backward with padding_idx or scale_grad_by_freq is not supported")
+    return cv.emit(Op.EMBEDDING_BACKWARD, [cv.arg(grad), cv.arg(indices)], {"num_weights": int(num_weights)})
+
+
+def _nll_loss_forward(cv: Converter, logp, target, weight, reduction, ignore_index):
+    if weight is not None:
+        raise cv.error("nll_loss with class weights is not supported")
+    loss_val, total_val = cv.fx.meta["val"]
+    args = [cv.arg(logp), cv.arg(target)]
+    loss = cv.emit(Op.NLL_LOSS, args, {"reduction": _REDUCTION[reduction], "ignore_index": ignore_index},
+                   suffix="", val=loss_val)
+    total = cv.emit(Op.NLL_LOSS_TOTAL_WEIGHT, [cv.arg(target)], {"ignore_index": ignore_index}, suffix="_total_weight",
+                    val=total_val)
+    cv.alias((loss, total))
+
+
+def _nll_loss_backward(cv: Converter, grad, logp, target, weight, reduction, ignore_index, total_weight):
+    if weight is not None:
+        raise cv.error("nll_loss with class weights is not supported")
+    return cv.emit(Op.NLL_LOSS_BACKWARD, [cv.arg(grad), cv.arg(logp), cv.arg(target), cv.arg(total_weight)],
+                   {"reduction": _REDUCTION[reduction], "ignore_index": ignore_index})
+
+
+def _getitem(cv: Converter, x, index):
+    outs = cv.names.get(x.name)
+    if not isinstance(outs, tuple):
+        raise cv.error(f"getitem on {x.name}, which is not a multi-output op")
+    cv.alias(outs[index])
+
+
+def _where(cv: Converter, cond, a, b):
+    return cv.emit(Op.WHERE, [cv.arg(cond), cv.arg(a), cv.arg(b)])
+
+
+def _mm(op: Op) -> Callable:
+    return lambda cv, a, b: cv.emit(op, [cv.arg(a), cv.arg(b)])
+
+
+CONVERTERS: dict[Any, Callable] = {
+    # aliases and plumbing
+    aten.detach.default: _drop,
+    aten.alias.default: _drop,
+    aten.lift_fresh_copy.default: _drop,
+    operator.getitem: _getitem,
+    # constants
+    aten.arange.default: _arange,
+    aten.arange.start: _arange,
+    aten.arange.start_step: _arange,
+    aten.full.default: _full,
+    aten.ones_like.default: _full_like(1.0),
+    aten.zeros_like.default: _full_like(0.0),
+    aten.full_like.default: _full_like(None),
+    aten.empty_like.default: _empty_like,
+    aten.fill.Scalar: _fill,
+    aten.triu.default: _triu,
+    # matrix products
+    aten.mm.default: _mm(Op.MM),
+    aten.bmm.default: _mm(Op.BMM),
+    aten.addmm.default: _addmm,
+    # layout
+    aten.view.default: _reshape(Op.VIEW),
+    aten._unsafe_view.default: _reshape(Op.VIEW),
+    aten.reshape.default: _reshape(Op.VIEW),
+    aten.expand.default: _reshape(Op.EXPAND),
+    aten.t.default: _t,
+    aten.transpose.int: _transpose,
+    aten.permute.default: _permute,
+    aten.unsqueeze.default: _unsqueeze,
+    aten.squeeze.dim: _squeeze,
+    aten.clone.default: lambda cv, x, **_: cv.emit(Op.CLONE, [cv.arg(x)]),
+    aten.slice.Tensor: _slice,
+    aten.slice_backward.default: _slice_backward,
+    aten.cat.default: _cat,
+    aten.split.Tensor: _split,
+    # elementwise
+    **{target: _unary(op) for target, op in (
+        (aten.neg.default, Op.NEG), (aten.rsqrt.default, Op.RSQRT), (aten.sqrt.default, Op.SQRT),
+        (aten.reciprocal.default, Op.RECIPROCAL), (aten.exp.default, Op.EXP), (aten.log.default, Op.LOG),
+        (aten.sigmoid.default, Op.SIGMOID), (aten.silu.default, Op.SILU), (aten.tanh.default, Op.TANH),
+        (aten.cos.default, Op.COS), (aten.sin.default, Op.SIN), (aten.abs.default, Op.ABS))},
+    aten.gelu.default: _gelu,
+    **{target: _binary(op) for target, op in (
+        (aten.add.Tensor, Op.ADD), (aten.add.Scalar, Op.ADD), (aten.sub.Tensor, Op.SUB),
+        (aten.sub.Scalar, Op.SUB), (aten.mul.Tensor, Op.MUL), (aten.mul.Scalar, Op.MUL),
+        (aten.div.Tensor, Op.DIV), (aten.div.Scalar, Op.DIV), (aten.maximum.default, Op.MAXIMUM),
+        (aten.minimum.default, Op.MINIMUM), (aten.eq.Scalar, Op.EQ), (aten.eq.Tensor, Op.EQ),
+        (aten.lt.Scalar, Op.LT), (aten.ge.Scalar, Op.GE))},
+    aten.rsub.Scalar: _rsub,
+    aten.pow.Tensor_Scalar: _pow_tensor_scalar,
+    aten.pow.Scalar: _pow_scalar,
+    aten.pow.Tensor_Tensor: _mm(Op.POW),
+    aten.where.self: _where,
+    # reductions
+    aten.sum.dim_IntList: _reduce(Op.SUM),
+    aten.sum.default: _reduce(Op.SUM),
+    aten.mean.dim: _reduce(Op.MEAN),
+    aten.mean.default: _reduce(Op.MEAN),
+    aten.amax.default: _reduce(Op.AMAX),
+    # softmax and loss
+    aten._softmax.default: _with_dim(Op.SOFTMAX),
+    aten._log_softmax.default: _with_dim(Op.LOG_SOFTMAX),
+    aten._softmax_backward_data.default: _backward_with_dim(Op.SOFTMAX_BACKWARD),
+    aten._log_softmax_backward_data.default: _backward_with_dim(Op.LOG_SOFTMAX_BACKWARD),
+    aten.nll_loss_forward.default: _nll_loss_forward,
+    aten.nll_loss_backward.default: _nll_loss_backward,
+    # indexing
+    aten.embedding.default: _embedding,
+    aten.embedding_dense_backward.default: _embedding_backward,
+}

@@ -1,0 +1,298 @@
+"""SPMD lowering: one rank's program from a logical graph, its input layouts and the sharding rules.
+
+Walks the logical graph once, in order. For each node it asks the sharding
+rule which layouts the inputs must have, converts each input with the
+communication that gets it there (all_reduce, reduce_scatter, all_gather,
+local_chunk; across microbatch copies: sums, concatenation, slices), and
+emits the local op with local shapes. Microbatches are the mesh axis ``mb``
+unrolled inside the program: a value cut or partial over ``mb`` exists as one
+copy per microbatch, and reducing over ``mb`` is gradient accumulation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from tv_ray.errors import ParallelConfigError
+from tv_ray.ir.dims import Expr
+from tv_ray.ir.graph import Graph, Node, TensorSpec
+from tv_ray.ir.ops import Op
+from tv_ray.parallel.layout import ONE, Factor, Layout, axis_product, canonical, check_divides
+from tv_ray.parallel.rules import Env, decide
+
+MB = "mb"
+SHAPE_ATTR = {Op.VIEW: "size", Op.EXPAND: "size", Op.FULL: "size", Op.SLICE_BACKWARD: "input_size"}
+
+
+@dataclass(frozen=True)
+class Local:
+    """A logical value as a rank holds it: its layout and its local name (one per microbatch copy)."""
+
+    layout: Layout
+    names: tuple[str, ...]
+    dtype: str = "float"
+
+    def name(self, mb: int) -> str:
+        return self.names[mb] if len(self.names) > 1 else self.names[0]
+
+
+def _same(a: Layout, b: Layout) -> bool:
+    return Layout.make(a.dims, a.partial) == Layout.make(b.dims, b.partial)
+
+
+def refine(a: tuple[Factor, ...], b: tuple[Factor, ...], dims: Mapping[str, int]):
+    """Split factors of two layouts of one dim at each other's boundaries (axes stay on the outer part)."""
+    a, b = list(a), list(b)
+    out_a, out_b = [], []
+    while a and b:
+        fa, fb = a.pop(0), b.pop(0)
+        va, vb = fa.size.eval(dims), fb.size.eval(dims)
+        if va == vb:
+            out_a.append(fa)
+            out_b.append(fb)
+        elif va < vb:
+            if vb % va:
+                return None
+            out_a.append(fa)
+            out_b.append(Factor(fa.size, fb.axes))
+            b.insert(0, Factor(fb.size / fa.size))
+        else:
+            if va % vb:
+                return None
+            out_b.append(fb)
+            out_a.append(Factor(fb.size, fa.axes))
+            a.insert(0, Factor(fa.size / fb.size))
+    if a or b:
+        return None
+    return out_a, out_b
+
+
+class Lowering:
+    """Builds one program: call `input`, then `node` for each logical node, then `output`."""
+
+    def __init__(self, sizes: Mapping[str, int], dims: Mapping[str, int], prefix: str = ""):
+        self.sizes = dict(sizes)
+        self.dims = dims
+        self.microbatches = self.sizes.get(MB, 1)
+        self.inputs: list[TensorSpec] = []
+        self.nodes: list[Node] = []
+        self.outputs: dict[str, str] = {}
+        self.output_layouts: dict[str, Layout] = {}
+        self.values: dict[str, Local] = {}
+        self._cache: dict[tuple, Local] = {}
+        self._count = 0
+        self.prefix = prefix
+
+    # -- building blocks ---------------------------------------------------------------
+    def _fresh(self, base: str) -> str:
+        self._count += 1
+        return f"{base}~{self._count}"
+
+    def _emit(self, name: str, op: Op, args, attrs: Mapping[str, Any], shape, dtype: str, meta) -> str:
+        self.nodes.append(Node.make(name, op, args, attrs, shape, dtype, meta))
+        return name
+
+    def local_shape(self, layout: Layout) -> tuple[Expr, ...]:
+        return layout.local_shape(self.sizes)
+
+    def copies(self, layout: Layout) -> int:
+        return self.microbatches if MB in layout.axes() else 1
+
+    def input(self, spec: TensorSpec, layout: Layout) -> Local:
+        """Declare a program input holding `spec` laid out as `layout` (one input per microbatch copy)."""
+        for d, dim in enumerate(layout.dims):
+            for f in dim:
+                if f.axes:
+                    check_divides(f.size, axis_product(f.axes, self.sizes), self.dims,
+                                  f"input {spec.name} dim {d}")
+        n = self.copies(layout)
+        names = tuple(spec.name if n == 1 else f"{spec.name}@{m}" for m in range(n))
+        for name in names:
+            self.inputs.append(TensorSpec(name, self.local_shape(layout), spec.dtype, spec.role,
+                                          spec.high, spec.positive))
+        local = Local(layout, names, spec.dtype)
+        self.values[spec.name] = local
+        return local
+
+    # -- conversions ----------------------------------------------------------------------
+    def convert(self, v: Local, dst: Layout, meta) -> Local:
+        if _same(v.layout, dst):
+            return v
+        key = (v.names, Layout.make(dst.dims, dst.partial))
+        if key in self._cache:
+            return self._cache[key]
+        cur = v
+        extra = set(dst.partial) - set(v.layout.partial)
+        if extra:
+            raise ParallelConfigError(f"cannot make {v.names[0]} partial over {sorted(extra)}")
+        drop = [(a, k) for a, k in v.layout.partial if (a, k) not in dst.partial]
+        for kind in sorted({k for _, k in drop}):
+            axes = [a for a, k in drop if k == kind]
+            if MB in axes:
+                cur = self._mb_reduce(cur, kind, meta)
+                axes.remove(MB)
+            scatter = [a for a in axes if self._scatter_dim(cur.layout, dst, a) is not None]
+            gather = [a for a in axes if a not in scatter]
+            if gather:
+                cur = self._collective(cur, Op.ALL_REDUCE, {"axes": gather, "reduce": kind},
+                                       self._drop_partial(cur.layout, gather), meta)
+            for a in scatter:
+                d = self._scatter_dim(cur.layout, dst, a)
+                first = cur.layout.dims[d][0]
+                dims = list(cur.layout.dims)
+                dims[d] = (Factor(first.size, first.axes + (a,)),) + dims[d][1:]
+                lay = Layout(tuple(dims), cur.layout.partial).with_partial(
+                    {x: k for x, k in cur.layout.partial if x != a})
+                cur = self._collective(cur, Op.REDUCE_SCATTER, {"axes": [a], "dim": d, "reduce": kind}, lay, meta)
+        for d in range(dst.rank):
+            cur = self._redistribute(cur, d, dst.dims[d], meta)
+        if not _same(cur.layout, dst):
+            raise ParallelConfigError(f"internal: converting {v.names[0]} to {dst} ended at {cur.layout}")
+        self._cache[key] = cur
+        return cur
+
+    def _scatter_dim(self, src: Layout, dst: Layout, axis: str) -> int | None:
+        """The dim where `dst` cuts `axis` on the first factor just inside `src`'s cuts (a reduce_scatter)."""
+        d = dst.sharded_dim(axis)
+        if d is None or axis in src.dim_axes(d) or axis == MB:
+            return None
+        s, t = src.dims[d][0], dst.dims[d][0]
+        if s.size == t.size and t.axes == s.axes + (axis,):
+            return d
+        return None
+
+    @staticmethod
+    def _drop_partial(layout: Layout, axes) -> Layout:
+        return layout.with_partial({a: k for a, k in layout.partial if a not in axes})
+
+    def _collective(self, v: Local, op: Op, attrs: dict, out: Layout, meta) -> Local:
+        names = []
+        shape = self.local_shape(out)
+        for name in v.names:
+            names.append(self._emit(self._fresh(name.split("~")[0]), op, [name], attrs, shape, v.dtype, meta))
+        return Local(out, tuple(names), v.dtype)
+
+    def _mb_reduce(self, v: Local, kind: str, meta) -> Local:
+        out = self._drop_partial(v.layout, [MB])
+        shape = self.local_shape(out)
+        op = Op.ADD if kind == "sum" else Op.MAXIMUM
+        acc = v.names[0]
+        for name in v.names[1:]:
+            acc = self._emit(self._fresh(v.names[0].split("@")[0]), op, [acc, name], {}, shape, v.dtype, meta)
+        return Local(out, (acc,), v.dtype)
+
+    def _redistribute(self, v: Local, d: int, want: tuple[Factor, ...], meta) -> Local:
+        have = v.layout.dims[d]
+        if canonical(have) == canonical(want):
+            return v
+        pair = refine(have, want, self.dims)
+        if pair is None:
+            raise ParallelConfigError(f"cannot redistribute {v.names[0]} dim {d} from "
+                                      f"{[str(f.size) for f in have]} to {[str(f.size) for f in want]}")
+        have_f, want_f = pair
+        cur = Local(Layout(v.layout.dims[:d] + (tuple(have_f),) + v.layout.dims[d + 1:], v.layout.partial),
+                    v.names, v.dtype)
+        for i in reversed(range(len(have_f))):      # inner factors first
+            src_axes, dst_axes = cur.layout.dims[d][i].axes, want_f[i].axes
+            keep = 0
+            while keep < min(len(src_axes), len(dst_axes)) and src_axes[keep] == dst_axes[keep]:
+                keep += 1
+            for axis in reversed(src_axes[keep:]):
+                cur = self._factor_op(cur, d, i, axis, gather=True, meta=meta)
+        for i in range(len(have_f)):
+            src_axes, dst_axes = cur.layout.dims[d][i].axes, want_f[i].axes
+            for axis in dst_axes[len(src_axes):]:
+                cur = self._factor_op(cur, d, i, axis, gather=False, meta=meta)
+        return cur
+
+    def _factor_op(self, v: Local, d: int, i: int, axis: str, gather: bool, meta) -> Local:
+        """Gather or chunk factor `i` of dim `d` over `axis` (the factor's innermost axis)."""
+        factors = v.layout.dims[d]
+        f = factors[i]
+        new_axes = f.axes[:-1] if gather else f.axes + (axis,)
+        new_factors = factors[:i] + (Factor(f.size, new_axes),) + factors[i + 1:]
+        out = Layout(v.layout.dims[:d] + (new_factors,) + v.layout.dims[d + 1:], v.layout.partial)
+        multi = len(factors) > 1 and i > 0
+        local_in, local_out = self.local_shape(v.layout), self.local_shape(out)
+
+        def split_dims(layout: Layout) -> list[Expr]:
+            shape = list(self.local_shape(layout))
+            subs = [g.size / axis_product(g.axes, self.sizes) for g in layout.dims[d]]
+            return shape[:d] + subs + shape[d + 1:]
+
+        def around(names: tuple[str, ...], body) -> tuple[str, ...]:
+            if not multi:
+                return body(names, d)
+            split_in = [self._emit(self._fresh(n.split("~")[0]), Op.VIEW, [n], {"size": split_dims(v.layout)},
+                                   split_dims(v.layout), v.dtype, meta) for n in names]
+            done = body(tuple(split_in), d + i)
+            return tuple(self._emit(self._fresh(n.split("~")[0]), Op.VIEW, [n], {"size": local_out},
+                                    local_out, v.dtype, meta) for n in done)
+
+        sub_shape = split_dims(out) if multi else list(local_out)
+
+        def body(names: tuple[str, ...], dim: int) -> tuple[str, ...]:
+            base = names[0].split("~")[0].split("@")[0]
+            if axis == MB and gather:
+                return (self._emit(self._fresh(base), Op.CAT, list(names), {"dim": dim}, sub_shape, v.dtype, meta),)
+            if axis == MB:
+                (name,) = names
+                length = sub_shape[dim]
+                return tuple(self._emit(self._fresh(base), Op.SLICE, [name],
+                                        {"dim": dim, "start": length * m, "end": length * (m + 1), "step": 1},
+                                        sub_shape, v.dtype, meta) for m in range(self.microbatches))
+            op, attrs = (Op.ALL_GATHER, {"axes": [axis], "dim": dim}) if gather else \
+                (Op.LOCAL_CHUNK, {"dim": dim, "axes": [axis]})
+            return tuple(self._emit(self._fresh(base), op, [n], attrs, sub_shape, v.dtype, meta) for n in names)
+
+        if not gather:
+            check_divides(f.size, axis_product(new_axes, self.sizes), self.dims,
+                          f"cutting {v.names[0]} dim {d} by {'.'.join(new_axes)}")
+        del local_in
+        return Local(out, around(v.names, body), v.dtype)
+
+    # -- nodes ------------------------------------------------------------------------------
+    def node(self, node: Node, env: Env, force: Layout | None = None) -> Local:
+        ins = [self.values[a] for a in node.args]
+        try:
+            dec = decide(node, [x.layout for x in ins], env)
+        except ParallelConfigError as err:
+            raise ParallelConfigError(f"{err} (while lowering {node.name} = {node.op}({', '.join(node.args)}))") from None
+        meta = dict(node.meta)
+        args = [self.convert(x, req, meta) for x, req in zip(ins, dec.inputs)]
+        out = dec.out
+        n = self.copies(out)
+        shape = self.local_shape(out)
+        attrs = dict(node.attrs)
+        if node.op in SHAPE_ATTR:
+            attrs[SHAPE_ATTR[node.op]] = list(shape)
+        if node.op == Op.EMBEDDING_BACKWARD:
+            attrs["num_weights"] = shape[0]
+        names = []
+        for m in range(n):
+            name = f"{node.name}@{m}" if n > 1 else node.name
+            mmeta = dict(meta, realises=node.name, **({"mb": m} if n > 1 else {}))
+            self._emit(name, node.op, [a.name(m) for a in args], attrs, shape, node.dtype, mmeta)
+            if dec.divide_by > 1:
+                name = self._emit(self._fresh(name), Op.DIV, [name], {"other": float(dec.divide_by)},
+                                  shape, node.dtype, mmeta)
+            names.append(name)
+        local = Local(out, tuple(names), node.dtype)
+        if force is not None:
+            local = self.convert(local, force, meta)
+        self.values[node.name] = local
+        return local
+
+    def output(self, name: str, value: str, layout: Layout | None) -> Local:
+        v = self.values[value]
+        if layout is None:
+            layout = self._drop_partial(v.layout, [MB])
+        v = self.convert(v, layout, {})
+        if len(v.names) > 1:
+            raise ParallelConfigError(f"output {name} still varies by microbatch: {v.layout}")
+        self.outputs[name] = v.names[0]
+        self.output_layouts[name] = v.layout
+        return v
+
+    def graph(self, name: str) -> Graph:
+        return Graph(tuple(self.inputs), tuple(self.nodes), tuple(self.outputs.items()), name)

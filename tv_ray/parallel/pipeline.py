@@ -1,0 +1,286 @@
+"""Pipeline stages: cut one lowered program into per-stage programs joined by send/recv, in 1F1B order.
+
+Stages are assigned on the lowered program by dataflow: parameters of
+``layers.i`` are pinned to stage ``i * pp // layers``; a forward op runs on
+the latest stage among its inputs, a backward op on the earliest (gradients
+flow back), an optimizer op where its parameter's gradient is. Ops that
+depend on no pinned value (constants, data-only work such as token counts,
+unpinned parameters) float: every stage that needs them computes them. A value
+used on another stage is sent once per destination (tagged, so order does not
+matter); an updated parameter is sent to every stage that holds the parameter,
+which is what keeps tied embeddings on the first and last stage in sync.
+"""
+from __future__ import annotations
+
+import heapq
+import re
+from typing import Mapping
+
+from tv_ray.errors import ParallelConfigError
+from tv_ray.ir.graph import Graph, Node, TensorSpec
+from tv_ray.ir.ops import Op
+from tv_ray.parallel.lower import Lowering
+from tv_ray.parallel.spec import ParallelSpec
+
+LAYER = re.compile(r"^layers\.(\d+)\.")
+
+
+def _lineage(lowering: Lowering, graph: Graph, where: Mapping[str, int], inputs: set[str],
+             outputs: set[str]) -> list[dict]:
+    from tv_ray.parallel.recipe import lineage_entry
+    entries = []
+    micro = lowering.microbatches
+    for spec in graph.inputs:
+        local = lowering.values[spec.name]
+        for m, name in enumerate(local.names):
+            if name in inputs:
+                entries.append(lineage_entry(name, spec.name, local.layout, where,
+                                             m if len(local.names) > 1 else None, micro))
+    for name, layout in lowering.output_layouts.items():
+        if name in outputs:
+            entries.append(lineage_entry(name, name, layout, where, None, micro))
+    return entries
+
+
+def _prune(program: Graph) -> Graph:
+    used = {a for n in program.nodes for a in n.args} | set(program.output_map.values())
+    return Graph(tuple(s for s in program.inputs if s.name in used), program.nodes, program.outputs, program.name)
+
+
+def split_stages(lowering: Lowering, graph: Graph, spec: ParallelSpec, mesh: Mapping[str, int],
+                 layers: int | None = None):
+    """The programs by name and the lineage entries of a lowered step."""
+    program = lowering.graph("main")
+    if spec.pp == 1:
+        program = _prune(program)
+        return {"main": program}, _lineage(lowering, graph, {}, {s.name for s in program.inputs},
+                                           set(program.output_map))
+    return Stager(program, graph, spec, layers).build(lowering)
+
+
+class Stager:
+    def __init__(self, program: Graph, logical: Graph, spec: ParallelSpec, layers: int | None):
+        self.program, self.logical, self.pp, self.mb = program, logical, spec.pp, spec.mb
+        found = [int(m.group(1)) for s in logical.inputs if (m := LAYER.match(s.name))]
+        self.layers = layers or (max(found) + 1 if found else 0)
+        if self.layers < self.pp:
+            raise ParallelConfigError(f"pp = {self.pp} is more than the model's {self.layers} layers")
+
+    def pin(self, name: str) -> int | None:
+        m = LAYER.match(name)
+        return int(m.group(1)) * self.pp // self.layers if m else None
+
+    def phases(self) -> dict[str, str]:
+        """fwd / bwd / optim for each op: bwd = downstream of the loss seed (a full_like of the loss)."""
+        loss = self.program.output_map.get("loss")
+        phase: dict[str, str] = {s.name: "input" for s in self.program.inputs}
+        seeds = set()
+        for node in self.program.nodes:
+            if node.get_meta("phase") == "optim":
+                phase[node.name] = "optim"
+            elif node.op == Op.FULL_LIKE and node.dtype == "float" and not node.shape and node.attr["value"] == 1.0 \
+                    and not seeds and self._reaches_loss(node, loss):
+                seeds.add(node.name)
+                phase[node.name] = "bwd"
+            elif any(phase.get(a) == "bwd" for a in node.args):
+                phase[node.name] = "bwd"
+            else:
+                phase[node.name] = "fwd"
+        return phase
+
+    def _reaches_loss(self, node: Node, loss: str | None) -> bool:
+        return bool(node.args) and node.args[0] != "" and loss is not None
+
+    def assign(self) -> tuple[dict[str, int | None], dict[str, str]]:
+        phase = self.phases()
+        stage: dict[str, int | None] = {s.name: self.pin(s.name) for s in self.program.inputs}
+        grad_home: dict[str, int | None] = {}
+        outputs = self.program.output_map
+        for node in self.program.nodes:
+            placed = [stage[a] for a in node.args if stage[a] is not None]
+            kind = phase[node.name]
+            param = node.get_meta("module")
+            if kind == "optim" and param in grad_home and grad_home[param] is not None:
+                stage[node.name] = grad_home[param]
+            elif not placed:
+                stage[node.name] = None
+            else:
+                stage[node.name] = max(placed) if kind == "fwd" else min(placed)
+            for out, value in outputs.items():
+                if value == node.name and out.startswith("grad/"):
+                    grad_home[out[5:]] = stage[node.name]
+        return stage, phase
+
+    def build(self, lowering: Lowering):
+        stage, phase = self.assign()
+        prog = self.program
+        last = self.pp - 1
+        outputs = prog.output_map
+        # where each output lives: its producer's stage; new/X also on every stage holding X
+        producers = {n.name: n for n in prog.nodes}
+        needs: dict[int, set[str]] = {s: set() for s in range(self.pp)}   # values each stage must hold
+        out_stages: dict[str, list[int]] = {}
+        for out, value in outputs.items():
+            home = stage.get(value)
+            home = last if home is None and out == "loss" else (0 if home is None else home)
+            stages = {home}
+            out_stages[out] = sorted(stages)
+            for s in stages:
+                needs[s].add(value)
+        # every op on its stage; floating ops on each stage that needs them
+        members: dict[int, list[str]] = {s: [] for s in range(self.pp)}
+        for node in prog.nodes:
+            if stage[node.name] is not None:
+                needs[stage[node.name]].add(node.name)
+        for s in range(self.pp):
+            closure = set()
+            todo = list(needs[s])
+            while todo:
+                v = todo.pop()
+                if v in closure or v not in producers:
+                    continue
+                closure.add(v)
+                for a in producers[v].args:
+                    if stage.get(a) is None or stage[a] == s:
+                        todo.append(a)
+            members[s] = [n.name for n in prog.nodes if n.name in closure and
+                          (stage[n.name] is None or stage[n.name] == s)]
+        # parameters updated here but held elsewhere too: send the new value (tied weights)
+        inputs_by_stage: dict[int, set[str]] = {s: set() for s in range(self.pp)}
+        for s in range(self.pp):
+            mine = set(members[s])
+            for name in members[s]:
+                for a in producers[name].args:
+                    if a not in producers:
+                        inputs_by_stage[s].add(a)
+            del mine
+        for out, value in outputs.items():
+            if out.startswith("new/") and out[4:] in {i.name for i in prog.inputs}:
+                for s in range(self.pp):
+                    if out[4:] in inputs_by_stage[s] and s not in out_stages[out]:
+                        out_stages[out].append(s)
+        return self._emit(stage, phase, members, out_stages, lowering)
+
+    def _emit(self, stage, phase, members, out_stages, lowering):
+        prog = self.program
+        producers = {n.name: n for n in prog.nodes}
+        specs = {s.name: s for s in prog.inputs}
+        tags: dict[tuple[str, int], int] = {}
+        sends: dict[int, list[tuple[str, int]]] = {s: [] for s in range(self.pp)}   # (value, dst)
+        home = {name: stage[name] for name in producers}
+
+        def source(value: str, dst: int) -> int | None:
+            s = home.get(value)
+            return None if s is None or s == dst else s
+
+        programs, lineage = {}, []
+        plans: dict[int, list[str]] = {}
+        for s in range(self.pp):
+            wanted = list(members[s])
+            extra_outputs = [(out, v) for out, v in prog.outputs if s in out_stages[out] and v in producers
+                             and home.get(v) not in (None, s)]
+            for out, v in extra_outputs:
+                tags.setdefault((v, s), len(tags))
+            plans[s] = wanted
+        for s in range(self.pp):
+            for name in plans[s]:
+                for a in producers[name].args:
+                    src = source(a, s)
+                    if src is not None:
+                        tags.setdefault((a, s), len(tags))
+        for (value, dst) in tags:
+            sends[home[value]].append((value, dst))
+        for s in range(self.pp):
+            nodes: list[Node] = []
+            member = set(plans[s])
+            recvd: dict[str, str] = {}
+            order = self._order(s, plans[s], phase, producers)
+            send_after: dict[str, list[int]] = {}
+            for value, dst in sends[s]:
+                send_after.setdefault(value, []).append(dst)
+            for value in [v for v in send_after if v in specs]:
+                pass
+            for name in order:
+                node = producers[name]
+                args = []
+                for a in node.args:
+                    src = source(a, s)
+                    if src is None:
+                        args.append(a)
+                        continue
+                    if a not in recvd:
+                        recvd[a] = f"{a}<{src}"
+                        p = producers[a]
+                        nodes.append(Node.make(recvd[a], Op.RECV, [], {"peer": {"pp": src - s}, "size": p.shape,
+                                                                       "dtype": p.dtype, "tag": tags[(a, s)]},
+                                               p.shape, p.dtype, dict(p.meta)))
+                    args.append(recvd[a])
+                nodes.append(Node(node.name, node.op, tuple(args), node.attrs, node.shape, node.dtype, node.meta))
+                for dst in send_after.get(name, []):
+                    nodes.append(Node.make(f"{name}>{dst}", Op.SEND, [name], {"peer": {"pp": dst - s},
+                                                                              "tag": tags[(name, dst)]},
+                                           (), "token", dict(node.meta)))
+            outs = {}
+            for out, value in prog.outputs:
+                if s not in out_stages[out]:
+                    continue
+                if value in member or value in specs:
+                    outs[out] = value
+                else:
+                    src = home[value]
+                    if value not in recvd:
+                        recvd[value] = f"{value}<{src}"
+                        p = producers[value]
+                        nodes.append(Node.make(recvd[value], Op.RECV, [], {"peer": {"pp": src - s}, "size": p.shape,
+                                                                           "dtype": p.dtype, "tag": tags[(value, s)]},
+                                               p.shape, p.dtype, dict(p.meta)))
+                    outs[out] = recvd[value]
+            used = {a for n in nodes for a in n.args} | set(outs.values())
+            inputs = tuple(spec for spec in prog.inputs if spec.name in used)
+            name = f"stage{s}"
+            programs[name] = Graph(inputs, tuple(nodes), tuple(outs.items()), name)
+            lineage += _lineage(lowering, self.logical, {"pp": s}, {i.name for i in inputs}, set(outs))
+        return programs, lineage
+
+    def _order(self, s: int, names: list[str], phase, producers) -> list[str]:
+        """1F1B: warm-up forwards, then one forward one backward, then cool-down backwards."""
+        warm = min(self.pp - s - 1, self.mb)
+        units: list[tuple[str, int]] = [("fwd", m) for m in range(warm)]
+        for i in range(self.mb - warm):
+            units += [("fwd", warm + i), ("bwd", i)]
+        units += [("bwd", m) for m in range(self.mb - warm, self.mb)]
+        rank = {u: i + 1 for i, u in enumerate(units)}
+        member = set(names)
+        index = {n: i for i, n in enumerate(names)}
+        prio: dict[str, int] = {}
+        for n in names:
+            node = producers[n]
+            mb = node.get_meta("mb")
+            kind = phase[n]
+            base = [prio[a] for a in node.args if a in prio]
+            if kind == "optim":
+                prio[n] = len(units) + 1
+            elif mb is not None and (kind, mb) in rank:
+                prio[n] = max([rank[(kind, mb)]] + base)
+            else:
+                prio[n] = max(base, default=0)
+        deps = {n: [a for a in producers[n].args if a in member] for n in names}
+        users: dict[str, list[str]] = {n: [] for n in names}
+        for n, ds in deps.items():
+            for d in ds:
+                users[d].append(n)
+        waiting = {n: len(ds) for n, ds in deps.items()}
+        ready = [(prio[n], index[n], n) for n in names if waiting[n] == 0]
+        heapq.heapify(ready)
+        out = []
+        while ready:
+            _, _, n = heapq.heappop(ready)
+            out.append(n)
+            for u in users[n]:
+                waiting[u] -= 1
+                if waiting[u] == 0:
+                    heapq.heappush(ready, (prio[u], index[u], u))
+        return out
+
+
+__all__ = ["split_stages", "TensorSpec"]

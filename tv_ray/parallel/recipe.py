@@ -1,0 +1,186 @@
+"""The built-in recipe: a logical graph and a `ParallelSpec` become a `Plan`.
+
+It decides where every logical input lives (data cut over dp and microbatches,
+Megatron tensor-parallel weights, ZeRO-sharded optimizer state and
+gradients, sequence-parallel residual stream), lowers the graph to one program
+per pipeline stage with the sharding rules, and writes the boundary lineage
+from the layouts it used.
+"""
+from __future__ import annotations
+
+import re
+from typing import Mapping
+
+from tv_ray.errors import ParallelConfigError
+from tv_ray.ir.dims import Expr
+from tv_ray.ir.graph import Graph, Node, TensorSpec
+from tv_ray.ir.ops import Op
+from tv_ray.parallel.layout import Factor, Layout
+from tv_ray.parallel.lower import MB, Lowering
+from tv_ray.parallel.pipeline import split_stages
+from tv_ray.parallel.rules import Env
+from tv_ray.parallel.spec import ParallelSpec
+
+# Megatron tensor parallelism: which dim of a parameter tp cuts (torch Linear weights are [out, in]).
+TP_RULES: tuple[tuple[str, int], ...] = (
+    (r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj|c_fc)\.(weight|bias)$", 0),   # column parallel
+    (r"\.(o_proj|down_proj|c_proj)\.weight$", 1),                                 # row parallel
+    (r"^lm_head\.weight$", 0),                                                    # vocab-split head
+)
+MESH_ORDER = ("pp", "dp", "cp", "ep", "tp")
+
+
+def prepare(graph: Graph) -> Graph:
+    """Exact rewrites that make sharding rules simpler: nll_loss(mean) = nll_loss(sum) / total weight."""
+    nodes: list[Node] = []
+    for node in graph.nodes:
+        if node.op == Op.NLL_LOSS and node.attr["reduction"] == "mean":
+            attrs = node.attr
+            total = Node.make(f"{node.name}.total", Op.NLL_LOSS_TOTAL_WEIGHT, [node.args[1]],
+                              {"ignore_index": attrs["ignore_index"]}, (), "float", dict(node.meta))
+            summed = Node.make(f"{node.name}.sum", Op.NLL_LOSS, node.args,
+                               {"reduction": "sum", "ignore_index": attrs["ignore_index"]}, (), "float",
+                               dict(node.meta))
+            nodes += [total, summed, Node.make(node.name, Op.DIV, [summed.name, total.name], {}, (), "float",
+                                                dict(node.meta))]
+        else:
+            nodes.append(node)
+    return Graph(graph.inputs, tuple(nodes), graph.outputs, graph.name)
+
+
+def data_dependence(graph: Graph) -> dict[str, bool]:
+    dep = {s.name: s.role == "data" for s in graph.inputs}
+    for node in graph.nodes:
+        dep[node.name] = any(dep[a] for a in node.args)
+    return dep
+
+
+def _cut(shape, cuts: Mapping[int, tuple[str, ...]]) -> Layout:
+    return Layout.make([[Factor(Expr.of(size), cuts.get(d, ()))] for d, size in enumerate(shape)])
+
+
+class Recipe:
+    """Where each logical input and output lives under a spec."""
+
+    def __init__(self, graph: Graph, spec: ParallelSpec):
+        self.graph, self.spec = graph, spec
+        self.dp = ("dp",) if spec.dp > 1 else ()
+        self.mb = (MB,) if spec.mb > 1 else ()
+        self.tp = ("tp",) if spec.tp > 1 else ()
+
+    def tp_dim(self, param: str) -> int | None:
+        if not self.tp:
+            return None
+        for pattern, dim in TP_RULES:
+            if re.search(pattern, param):
+                return dim
+        return None
+
+    def param_layout(self, spec: TensorSpec, zero_cut: bool) -> Layout:
+        cuts: dict[int, tuple[str, ...]] = {}
+        d = self.tp_dim(spec.name)
+        if d is not None:
+            cuts[d] = self.tp
+        if zero_cut and self.dp:
+            cuts[0] = cuts.get(0, ()) + self.dp
+        return _cut(spec.shape, cuts)
+
+    def input_layout(self, spec: TensorSpec) -> Layout:
+        if spec.role == "data":
+            return _cut(spec.shape, {0: self.dp + self.mb})
+        if spec.role == "param":
+            return self.param_layout(spec, self.spec.zero >= 3)
+        if spec.role == "state":
+            return self.param_layout(self._param_of(spec.name), self.spec.zero >= 1)
+        return Layout.replicated(spec.shape)
+
+    def _param_of(self, name: str) -> TensorSpec:
+        param = name.split("/", 1)[1]
+        return self.graph.value(param)  # type: ignore[return-value]
+
+    def output_layout(self, name: str) -> Layout | None:
+        if name == "loss":
+            return None      # as computed: a partial sum over dp, or reduced
+        kind, _, rest = name.partition("/")
+        if kind == "grad":
+            return self.param_layout(self.graph.value(rest), self.spec.zero >= 2)  # type: ignore[arg-type]
+        if kind == "new":
+            return self.input_layout(self.graph.value(rest))  # type: ignore[arg-type]
+        return None
+
+    def forced(self, outputs: Mapping[str, str]) -> dict[str, Layout]:
+        """Layouts imposed right where a value is made: reduced gradients, the sequence-parallel stream."""
+        force = {}
+        for name, value in outputs.items():
+            if name.startswith("grad/") and value not in {s.name for s in self.graph.inputs}:
+                force[value] = self.output_layout(name)
+        if self.spec.sp:
+            for node in self.graph.nodes:
+                if node.op == Op.EMBEDDING and len(node.shape) == 3:
+                    force[node.name] = _cut(node.shape, {0: self.dp + self.mb, 1: self.tp})
+        return force
+
+
+def lineage_entry(tensor: str, logical: str, layout: Layout, where: Mapping[str, int], mb_index: int | None,
+                  microbatches: int) -> dict:
+    entry: dict = {"where": dict(where), "tensor": tensor, "logical": logical}
+    slices = []
+    for d, dim in enumerate(layout.dims):
+        cut = [f for f in dim if f.axes]
+        if not cut:
+            continue
+        if dim[0].axes != cut[0].axes or len(cut) > 1:
+            raise ParallelConfigError(f"boundary tensor {tensor} has a strided layout {layout}; "
+                                      f"lineage needs contiguous slices")
+        split = [a if a != MB else {"index": mb_index, "of": microbatches} for a in dim[0].axes]
+        slices.append({"dim": d, "split": split})
+    if slices:
+        entry["slice"] = slices
+    partial = [a for a, kind in layout.partial if a != MB]
+    if any(kind != "sum" for _, kind in layout.partial):
+        raise ParallelConfigError(f"boundary tensor {tensor} is a partial max; reduce it first")
+    if partial:
+        entry["partial"] = partial
+    return entry
+
+
+def parallelize(graph: Graph, spec: ParallelSpec | str, dims: Mapping[str, int], model: str = "model",
+                layers: int | None = None, schedule: str = "1f1b") -> dict:
+    """The plan (as its JSON object) that runs `graph` under `spec`.
+
+    Example::
+
+        plan = Plan.from_json(parallelize(graph, "dp=2,tp=2", spec.dims, "llama3-tiny"))
+    """
+    if isinstance(spec, str):
+        spec = ParallelSpec.parse(spec)
+    spec.check_model(dims, layers)
+    logical = graph
+    graph = prepare(graph)
+    recipe = Recipe(graph, spec)
+    sizes = {a: getattr(spec, a) for a in ("dp", "tp") if getattr(spec, a) > 1}
+    if spec.mb > 1:
+        sizes[MB] = spec.mb
+    env = Env(sizes, dims, {v.name: v.shape for v in (*graph.inputs, *graph.nodes)}, data_dependence(graph))
+    lowering = Lowering(sizes, dims)
+    for inp in graph.inputs:
+        lowering.input(inp, recipe.input_layout(inp))
+    force = recipe.forced(graph.output_map)
+    for node in graph.nodes:
+        lowering.node(node, env, force.get(node.name))
+    for name, value in graph.outputs:
+        lowering.output(name, value, recipe.output_layout(name))
+    mesh = {a: getattr(spec, a) for a in MESH_ORDER if getattr(spec, a, 1) > 1} or {"dp": 1}
+    programs, lineage = split_stages(lowering, graph, spec, mesh, layers)
+    return {
+        "format": "tv-ray-plan/1",
+        "model": model,
+        "dims": dict(dims),
+        "mesh": mesh,
+        "microbatches": spec.mb,
+        "schedule": schedule,
+        "logical": logical.to_json(),
+        "programs": {name: prog.to_json() for name, prog in programs.items()},
+        "ranks": {"program": "stage{pp}" if spec.pp > 1 else "main"},
+        "lineage": lineage,
+    }

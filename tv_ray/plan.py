@@ -1,0 +1,445 @@
+"""The plan: a distributed training step — device mesh, rank programs, rank→program map, boundary lineage.
+
+The file format is `docs/plan-format.md` (`tv-ray-plan/1`). `Plan.load` and
+`Plan.from_json` parse and validate a plan completely (`tv_ray.plan_check`);
+every error is a `PlanError` whose message starts with the JSON path::
+
+    >>> plan = Plan.load("llama3-tiny.plan.json")
+    >>> plan.num_ranks, plan.program_of(5), plan.coords(5)
+    (8, 'stage1', {'pp': 1, 'dp': 0, 'tp': 1})
+    >>> plan.group(5, ["tp"])
+    [4, 5]
+
+Ranks are numbered row-major over the mesh axes in their listed order (the
+last axis varies fastest). Mesh-wide questions (which program each rank runs,
+which ranks an entry selects) are answered with numpy arrays over all ranks,
+so a plan of 8,192 ranks is validated per program and per lineage entry, not
+per rank.
+"""
+from __future__ import annotations
+
+import json
+import string
+from dataclasses import dataclass, field
+from functools import reduce
+from operator import mul
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+from tv_ray.errors import PlanError
+from tv_ray.ir import Graph
+
+FORMAT = "tv-ray-plan/1"
+_FIELDS = ("format", "model", "dims", "mesh", "microbatches", "schedule", "logical", "programs", "ranks",
+           "lineage")
+_OPTIONAL = {"microbatches": 1, "schedule": "none"}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """A split factor at a fixed position: chunk `index` of `of` (``{"index": 0, "of": 2}``)."""
+
+    index: int
+    of: int
+
+
+Factor = str | Fixed   # a mesh axis name (the rank's coordinate on it) or a fixed position
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """One boundary lineage entry: ``logical[slice(rank)] == tensor`` (or the sum over `partial`).
+
+    `where` selects ranks by mesh coordinates (empty = all ranks); `slice` lists
+    the split dimensions as (dim, factors outer to inner); `partial` names the
+    mesh axes whose group sums to the slice.
+    """
+
+    where: tuple[tuple[str, int], ...]
+    tensor: str
+    logical: str
+    slice: tuple[tuple[int, tuple[Factor, ...]], ...] = ()
+    partial: tuple[str, ...] = ()
+
+    def to_json(self) -> dict:
+        out: dict[str, Any] = {"where": dict(self.where), "tensor": self.tensor, "logical": self.logical}
+        if self.slice:
+            out["slice"] = [{"dim": dim, "split": [f if isinstance(f, str) else {"index": f.index, "of": f.of}
+                                                   for f in factors]} for dim, factors in self.slice]
+        if self.partial:
+            out["partial"] = list(self.partial)
+        return out
+
+    @staticmethod
+    def from_json(obj: Any, path: str) -> "Lineage":
+        if not isinstance(obj, dict):
+            raise PlanError(f"{path}: expected an object with where, tensor, logical, slice, partial")
+        _no_unknown(obj, ("where", "tensor", "logical", "slice", "partial"), path)
+        where = obj.get("where", {})
+        if not isinstance(where, dict) or not all(_is_int(v) for v in where.values()):
+            raise PlanError(f"{path}.where: expected an object mapping mesh axes to coordinates")
+        for key in ("tensor", "logical"):
+            if not isinstance(obj.get(key), str) or not obj[key]:
+                raise PlanError(f"{path}.{key}: expected a tensor name")
+        raw_slice = obj.get("slice", [])
+        if not isinstance(raw_slice, list):
+            raise PlanError(f"{path}.slice: expected a list of {{dim, split}} objects")
+        cuts = tuple(_cut_from_json(cut, f"{path}.slice[{i}]") for i, cut in enumerate(raw_slice))
+        partial = obj.get("partial", [])
+        if not isinstance(partial, list) or not all(isinstance(a, str) for a in partial):
+            raise PlanError(f"{path}.partial: expected a list of mesh axis names")
+        return Lineage(tuple(where.items()), obj["tensor"], obj["logical"], cuts, tuple(partial))
+
+
+def _cut_from_json(obj: Any, path: str) -> tuple[int, tuple[Factor, ...]]:
+    if not isinstance(obj, dict):
+        raise PlanError(f"{path}: expected {{\"dim\": d, \"split\": [...]}}")
+    _no_unknown(obj, ("dim", "split"), path)
+    if not _is_int(obj.get("dim")) or obj["dim"] < 0:
+        raise PlanError(f"{path}.dim: expected a dimension number >= 0, got {obj.get('dim')!r}")
+    split = obj.get("split")
+    if not isinstance(split, list) or not split:
+        raise PlanError(f"{path}.split: expected a non-empty list of mesh axes or {{index, of}} objects")
+    factors: list[Factor] = []
+    for j, factor in enumerate(split):
+        where = f"{path}.split[{j}]"
+        if isinstance(factor, str):
+            factors.append(factor)
+        elif isinstance(factor, dict) and set(factor) == {"index", "of"} and _is_int(factor["index"]) \
+                and _is_int(factor["of"]):
+            if not 0 <= factor["index"] < factor["of"]:
+                raise PlanError(f"{where}: index {factor['index']} is not in [0, {factor['of']})")
+            factors.append(Fixed(factor["index"], factor["of"]))
+        else:
+            raise PlanError(f"{where}: expected a mesh axis name or {{\"index\": i, \"of\": n}}, got {factor!r}")
+    return obj["dim"], tuple(factors)
+
+
+@dataclass(frozen=True)
+class RankMap:
+    """Which program each rank runs: a template over mesh coordinates, plus per-rank overrides."""
+
+    template: str
+    overrides: tuple[tuple[int, str], ...] = ()
+
+    def fields(self) -> list[str]:
+        """The mesh axes the template names (``"stage{pp}"`` → ``["pp"]``)."""
+        return [name for _, name, _, _ in string.Formatter().parse(self.template) if name is not None]
+
+    def to_json(self) -> dict:
+        out: dict[str, Any] = {"program": self.template}
+        if self.overrides:
+            out["overrides"] = {str(rank): name for rank, name in self.overrides}
+        return out
+
+
+def _no_unknown(obj: dict, known: Iterable[str], path: str) -> None:
+    unknown = sorted(set(obj) - set(known))
+    if unknown:
+        where = f"{path}.{unknown[0]}" if path else unknown[0]
+        raise PlanError(f"{where}: unknown field {unknown[0]!r} (known: {', '.join(known)})")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A distributed training step (see docs/plan-format.md). Build with `Plan.load` / `Plan.from_json`."""
+
+    format: str
+    model: str
+    dims: dict[str, int]
+    mesh: tuple[tuple[str, int], ...]
+    microbatches: int
+    schedule: str
+    logical: Graph
+    programs: dict[str, Graph]
+    ranks: RankMap
+    lineage: tuple[Lineage, ...]
+    _cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    # -- the mesh ----------------------------------------------------------------
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return tuple(axis for axis, _ in self.mesh)
+
+    @property
+    def axis_sizes(self) -> dict[str, int]:
+        return dict(self.mesh)
+
+    @property
+    def num_ranks(self) -> int:
+        return reduce(mul, (size for _, size in self.mesh), 1)
+
+    def coord_table(self) -> np.ndarray:
+        """Every rank's mesh coordinates: an int array of shape (ranks, axes)."""
+        if "coords" not in self._cache:
+            sizes = [size for _, size in self.mesh]
+            table = np.stack(np.unravel_index(np.arange(self.num_ranks), sizes), axis=1) if sizes \
+                else np.zeros((1, 0), dtype=np.int64)
+            table.setflags(write=False)
+            self._cache["coords"] = table
+        return self._cache["coords"]
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """The mesh coordinates of `rank`, in mesh order."""
+        self._check_rank(rank)
+        return dict(zip(self.axes, (int(c) for c in self.coord_table()[rank])))
+
+    def rank_of(self, coords: Mapping[str, int]) -> int:
+        """The rank at `coords` (every mesh axis given)."""
+        rank = 0
+        for axis, size in self.mesh:
+            if axis not in coords:
+                raise PlanError(f"coordinates {dict(coords)} do not give mesh axis {axis!r}")
+            if not 0 <= coords[axis] < size:
+                raise PlanError(f"coordinate {axis}={coords[axis]} is outside the mesh ({axis} has {size})")
+            rank = rank * size + coords[axis]
+        return rank
+
+    def describe(self, rank: int) -> str:
+        """``rank 5 (pp=1, dp=0, tp=1)``: how messages name a rank."""
+        return f"rank {rank} ({', '.join(f'{a}={c}' for a, c in self.coords(rank).items())})"
+
+    def group(self, rank: int, axes: Iterable[str]) -> list[int]:
+        """The ranks of `rank`'s group along `axes`, in group order (the first axis outermost)."""
+        axes = list(axes)
+        sizes = self.axis_sizes
+        for axis in axes:
+            if axis not in sizes:
+                raise PlanError(f"axis {axis!r} is not in the mesh ({', '.join(self.axes)})")
+        base = self.coords(rank)
+        members = []
+        for position in np.ndindex(*(sizes[a] for a in axes)):
+            base.update(zip(axes, position))
+            members.append(self.rank_of(base))
+        return members
+
+    def group_position(self, rank: int, axes: Iterable[str]) -> int:
+        """`rank`'s position in its group along `axes` (mixed radix, first axis outermost)."""
+        coords, sizes = self.coords(rank), self.axis_sizes
+        position = 0
+        for axis in axes:
+            position = position * sizes[axis] + coords[axis]
+        return position
+
+    def _check_rank(self, rank: int) -> None:
+        if not _is_int(rank) and not isinstance(rank, np.integer) or not 0 <= rank < self.num_ranks:
+            raise PlanError(f"rank {rank} is not in the mesh (ranks 0..{self.num_ranks - 1})")
+
+    # -- programs ------------------------------------------------------------------
+    def rank_programs(self) -> tuple[tuple[str, ...], np.ndarray]:
+        """(program names, index into them for every rank), resolving the template and the overrides.
+
+        Raises PlanError naming the first rank whose program is not in `programs`.
+        """
+        if "programs" not in self._cache:
+            self._cache["programs"] = self._resolve_programs()
+        return self._cache["programs"]
+
+    def _resolve_programs(self) -> tuple[tuple[str, ...], np.ndarray]:
+        fields, sizes, axes = self.ranks.fields(), self.axis_sizes, self.axes
+        for name in fields:
+            if name not in sizes:
+                raise PlanError(f"ranks.program: template field {{{name}}} is not a mesh axis "
+                                f"({', '.join(axes)})")
+        # One name per combination of the template's axes, not one format() per rank.
+        combos = list(np.ndindex(*(sizes[f] for f in fields)))
+        names = [self.ranks.template.format(**dict(zip(fields, combo))) for combo in combos]
+        table = self.coord_table()
+        combo_of_rank = np.zeros(self.num_ranks, dtype=np.int64)
+        for name in fields:
+            combo_of_rank = combo_of_rank * sizes[name] + table[:, axes.index(name)]
+        missing = [i for i, name in enumerate(names) if name not in self.programs]
+        overridden = np.zeros(self.num_ranks, dtype=bool)
+        overridden[[rank for rank, _ in self.ranks.overrides]] = True
+        bad = np.isin(combo_of_rank, missing) & ~overridden
+        if bad.any():
+            rank = int(np.argmax(bad))
+            raise PlanError(f"ranks.program: {self.describe(rank)} runs {names[combo_of_rank[rank]]!r}, "
+                            f"which is not in programs")
+        for rank, name in self.ranks.overrides:
+            if name not in self.programs:
+                raise PlanError(f"ranks.overrides.{rank}: program {name!r} is not in programs")
+        program_names = tuple(self.programs)
+        index = {name: i for i, name in enumerate(program_names)}
+        combo_ids = np.array([index.get(name, -1) for name in names], dtype=np.int64)
+        ids = combo_ids[combo_of_rank]
+        for rank, name in self.ranks.overrides:
+            ids[rank] = index[name]
+        ids.setflags(write=False)
+        return program_names, ids
+
+    def program_of(self, rank: int) -> str:
+        """The name of the program `rank` runs."""
+        self._check_rank(rank)
+        names, ids = self.rank_programs()
+        return names[ids[rank]]
+
+    # -- lineage ---------------------------------------------------------------------
+    def selects(self, entry: Lineage) -> np.ndarray:
+        """Boolean mask over ranks: the ranks `entry.where` selects."""
+        key = ("where", entry.where)
+        if key not in self._cache:
+            table, axes = self.coord_table(), self.axes
+            mask = np.ones(self.num_ranks, dtype=bool)
+            for axis, coord in entry.where:
+                mask &= table[:, axes.index(axis)] == coord
+            mask.setflags(write=False)
+            self._cache[key] = mask
+        return self._cache[key]
+
+    def lineage_for(self, rank: int) -> tuple[Lineage, ...]:
+        """The lineage entries whose `where` selects `rank`."""
+        coords = self.coords(rank)
+        return tuple(e for e in self.lineage if all(coords.get(a) == c for a, c in e.where))
+
+    def factor_size(self, factor: Factor) -> int:
+        return factor.of if isinstance(factor, Fixed) else self.axis_sizes[factor]
+
+    def chunks(self, factors: Iterable[Factor]) -> int:
+        """How many chunks a dimension split by `factors` is cut into."""
+        return reduce(mul, (self.factor_size(f) for f in factors), 1)
+
+    def slice_bounds(self, entry: Lineage, rank: int, shape: Iterable[int]) -> tuple[tuple[int, int], ...]:
+        """(start, stop) per dimension of the logical tensor (of int `shape`) that `entry` gives `rank`."""
+        coords = self.coords(rank)
+        bounds = [(0, size) for size in shape]
+        for dim, factors in entry.slice:
+            index = 0
+            for factor in factors:
+                index = index * self.factor_size(factor) + (factor.index if isinstance(factor, Fixed)
+                                                             else coords[factor])
+            chunk = bounds[dim][1] // self.chunks(factors)
+            bounds[dim] = (index * chunk, (index + 1) * chunk)
+        return tuple(bounds)
+
+    # -- JSON ----------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {"format": self.format, "model": self.model, "dims": dict(self.dims), "mesh": dict(self.mesh),
+                "microbatches": self.microbatches, "schedule": self.schedule,
+                "logical": self.logical.to_json(),
+                "programs": {name: graph.to_json() for name, graph in self.programs.items()},
+                "ranks": self.ranks.to_json(), "lineage": [e.to_json() for e in self.lineage]}
+
+    @staticmethod
+    def from_json(obj: Any, check: bool = True) -> "Plan":
+        """Parse a plan object and (unless `check=False`) validate all of it; raises PlanError."""
+        plan = _parse(obj)
+        if check:
+            from tv_ray.plan_check import check_plan
+            check_plan(plan)
+        return plan
+
+    @staticmethod
+    def load(path: str | Path) -> "Plan":
+        """Read and validate a plan file. Errors: ``plan.json: not valid JSON at line 3 column 9: …``."""
+        try:
+            text = Path(path).read_text()
+        except OSError as err:
+            raise PlanError(f"{path}: cannot read: {err.strerror}") from None
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise PlanError(f"{path}: not valid JSON at line {err.lineno} column {err.colno}: {err.msg}") from None
+        return Plan.from_json(obj)
+
+    def save(self, path: str | Path) -> None:
+        """Write the plan as JSON with one input, op or lineage entry per line (readable diffs)."""
+        Path(path).write_text(dumps(self.to_json()))
+
+
+# -- parsing -------------------------------------------------------------------------------
+def _parse(obj: Any) -> Plan:
+    if not isinstance(obj, dict):
+        raise PlanError(f"plan: expected a JSON object, got {type(obj).__name__}")
+    _no_unknown(obj, _FIELDS, "")
+    for key in _FIELDS:
+        if key not in obj and key not in _OPTIONAL:
+            raise PlanError(f"{key}: missing")
+    if obj["format"] != FORMAT:
+        raise PlanError(f"format: expected {FORMAT!r}, got {obj['format']!r}")
+    if not isinstance(obj["model"], str):
+        raise PlanError(f"model: expected a label (string), got {obj['model']!r}")
+    dims = _positive_ints(obj["dims"], "dims", "dimension")
+    mesh = _positive_ints(obj["mesh"], "mesh", "mesh axis")
+    if not mesh:
+        raise PlanError("mesh: expected at least one axis")
+    microbatches = obj.get("microbatches", _OPTIONAL["microbatches"])
+    if not _is_int(microbatches) or microbatches < 1:
+        raise PlanError(f"microbatches: expected an integer >= 1, got {microbatches!r}")
+    schedule = obj.get("schedule", _OPTIONAL["schedule"])
+    if not isinstance(schedule, str):
+        raise PlanError(f"schedule: expected a label (string), got {schedule!r}")
+    logical = Graph.from_json(obj["logical"], "logical", "logical", PlanError)
+    if not isinstance(obj["programs"], dict) or not obj["programs"]:
+        raise PlanError("programs: expected an object mapping program names to programs")
+    programs = {name: Graph.from_json(prog, f"programs.{name}", name, PlanError)
+                for name, prog in obj["programs"].items()}
+    ranks = _parse_ranks(obj["ranks"], reduce(mul, mesh.values(), 1))
+    if not isinstance(obj["lineage"], list):
+        raise PlanError("lineage: expected a list of lineage entries")
+    lineage = tuple(Lineage.from_json(e, f"lineage[{i}]") for i, e in enumerate(obj["lineage"]))
+    return Plan(FORMAT, obj["model"], dims, tuple(mesh.items()), microbatches, schedule, logical, programs,
+                ranks, lineage)
+
+
+def _positive_ints(obj: Any, path: str, what: str) -> dict[str, int]:
+    if not isinstance(obj, dict):
+        raise PlanError(f"{path}: expected an object mapping {what} names to sizes")
+    for name, value in obj.items():
+        if not name.isidentifier():
+            raise PlanError(f"{path}.{name}: {what} name {name!r} is not an identifier")
+        if not _is_int(value) or value < 1:
+            raise PlanError(f"{path}.{name}: expected an integer >= 1, got {value!r}")
+    return dict(obj)
+
+
+def _parse_ranks(obj: Any, num_ranks: int) -> RankMap:
+    if not isinstance(obj, dict):
+        raise PlanError("ranks: expected {\"program\": template, \"overrides\": {rank: program}}")
+    _no_unknown(obj, ("program", "overrides"), "ranks")
+    template = obj.get("program")
+    if not isinstance(template, str) or not template:
+        raise PlanError("ranks.program: expected a program name or a template such as \"stage{pp}\"")
+    try:
+        RankMap(template).fields()
+    except ValueError as err:
+        raise PlanError(f"ranks.program: not a valid template: {err}") from None
+    overrides = obj.get("overrides", {})
+    if not isinstance(overrides, dict):
+        raise PlanError("ranks.overrides: expected an object mapping rank numbers to program names")
+    parsed = []
+    for key, name in overrides.items():
+        if not key.isdecimal() or not int(key) < num_ranks:
+            raise PlanError(f"ranks.overrides.{key}: {key!r} is not a rank of the mesh (ranks 0..{num_ranks - 1})")
+        if not isinstance(name, str):
+            raise PlanError(f"ranks.overrides.{key}: expected a program name, got {name!r}")
+        parsed.append((int(key), name))
+    return RankMap(template, tuple(sorted(parsed)))
+
+
+# -- writing --------------------------------------------------------------------------------
+# How many levels of each top-level field are laid out one item per line; deeper is compact.
+_EXPAND = {"logical": 2, "programs": 3, "lineage": 1}
+
+
+def dumps(obj: dict) -> str:
+    """Plan JSON with one top-level field, input, op, output or lineage entry per line."""
+    lines = [f" {json.dumps(key)}: {_layout(value, _EXPAND.get(key, 0), 1)}" for key, value in obj.items()]
+    return "{\n" + ",\n".join(lines) + "\n}\n"
+
+
+def _layout(value: Any, depth: int, indent: int) -> str:
+    if depth == 0 or not isinstance(value, (dict, list)) or not value:
+        return json.dumps(value, separators=(", ", ": "))
+    pad = " " * (indent + 1)
+    if isinstance(value, dict):
+        items = [f"{pad}{json.dumps(k)}: {_layout(v, depth - 1, indent + 1)}" for k, v in value.items()]
+        return "{\n" + ",\n".join(items) + "}"
+    items = [pad + _layout(v, depth - 1, indent + 1) for v in value]
+    return "[\n" + ",\n".join(items) + "]"

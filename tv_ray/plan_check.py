@@ -1,0 +1,318 @@
+"""Plan validation: every rule of docs/plan-format.md, checked per program and per lineage entry.
+
+`check_plan(plan)` raises a one-line `PlanError` starting with the JSON path
+of the first problem. Work is organised so a plan of 8,192 ranks costs about
+what its ~16 distinct programs cost: programs are linted once each; lineage is
+checked per (entry, program) pair, with the ranks an entry selects held as a
+numpy mask; coverage of logical outputs is computed on intervals.
+"""
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from typing import Iterable
+
+import numpy as np
+
+from tv_ray.errors import PlanError, TvRayError
+from tv_ray.ir import Expr, Graph
+from tv_ray.ir.lint import lint
+from tv_ray.ir.ops import COMMUNICATION, RANK_DEPENDENT
+from tv_ray.plan import Fixed, Lineage, Plan
+from tv_ray.semantics import Context
+
+_PROGRAM_ONLY = COMMUNICATION | RANK_DEPENDENT
+_LINT_NODE = re.compile(r"node (\S+) = ")
+
+
+class _Sizes:
+    """Shape expressions evaluated at one dims table, memoised (a plan repeats a few hundred expressions)."""
+
+    def __init__(self, dims: dict[str, int]):
+        self.dims = dims
+        self._memo: dict[Expr, int] = {}
+
+    def __call__(self, expr: Expr, path: str) -> int:
+        value = self._memo.get(expr)
+        if value is None:
+            try:
+                value = expr.eval(self.dims)
+            except TvRayError as err:
+                raise PlanError(f"{path}: {err}") from None
+            self._memo[expr] = value
+        return value
+
+    def shape(self, shape: Iterable[Expr], path: str) -> tuple[int, ...]:
+        return tuple(self(d, f"{path}[{i}]") for i, d in enumerate(shape))
+
+
+def check_plan(plan: Plan, dims: dict[str, int] | None = None) -> None:
+    """Validate `plan` (at `dims`, default the plan's own); raises PlanError naming the JSON path."""
+    sizes = _Sizes(dict(plan.dims) if dims is None else dict(dims))
+    _check_graph(plan, plan.logical, "logical", sizes, logical=True)
+    for name, program in plan.programs.items():
+        _check_graph(plan, program, f"programs.{name}", sizes, logical=False)
+    plan.rank_programs()   # every rank runs a program that exists
+    _LineageCheck(plan, sizes).run()
+
+
+# -- graphs -----------------------------------------------------------------------------------
+def _check_graph(plan: Plan, graph: Graph, path: str, sizes: _Sizes, logical: bool) -> None:
+    for i, spec in enumerate(graph.inputs):
+        sizes.shape(spec.shape, f"{path}.inputs[{i}].shape")
+        if spec.high is not None:
+            sizes(spec.high, f"{path}.inputs[{i}].high")
+        elif logical and spec.dtype == "int":
+            raise PlanError(f"{path}.inputs[{i}].high: int input {spec.name!r} needs `high` "
+                            f"(its values lie in [0, high))")
+    mesh = plan.axis_sizes
+    for i, node in enumerate(graph.nodes):
+        sizes.shape(node.shape, f"{path}.ops[{i}].shape")
+        if logical and node.op in _PROGRAM_ONLY:
+            raise PlanError(f"{path}.ops[{i}].op: {node.op} belongs to rank programs; the logical graph "
+                            f"is one device's step")
+        attrs = node.attr
+        for axis in attrs.get("axes", ()):
+            if axis not in mesh:
+                raise PlanError(f"{path}.ops[{i}].attrs.axes: axis {axis!r} is not in the mesh "
+                                f"({', '.join(plan.axes)})")
+        if len(set(attrs.get("axes", ()))) != len(attrs.get("axes", ())):
+            raise PlanError(f"{path}.ops[{i}].attrs.axes: an axis is listed twice")
+        for axis, _ in attrs.get("peer", ()):
+            if axis not in mesh:
+                raise PlanError(f"{path}.ops[{i}].attrs.peer: axis {axis!r} is not in the mesh "
+                                f"({', '.join(plan.axes)})")
+    _lint(plan, graph, path, sizes.dims, logical)
+
+
+def _lint(plan: Plan, graph: Graph, path: str, dims: dict[str, int], logical: bool) -> None:
+    try:
+        lint(graph, dims=dims, ctx=Context(plan.axis_sizes, {}), allow_comm=not logical)
+    except TvRayError as err:
+        raise PlanError(f"{_node_path(graph, path, err)}: {err}") from None
+
+
+def _node_path(graph: Graph, path: str, err: TvRayError) -> str:
+    """The JSON path of the node a lint error names (lint messages start with ``node <name> = ``)."""
+    match = _LINT_NODE.match(str(err))
+    names = [i for i, node in enumerate(graph.nodes) if match and node.name == match.group(1)]
+    return f"{path}.ops[{names[0]}]" if names else path
+
+
+def _check_peers(plan: Plan) -> None:
+    """Every send/recv peer offset lands inside the mesh for every rank that runs the program."""
+    names, ids = plan.rank_programs()
+    table, axes, mesh = plan.coord_table(), plan.axes, plan.axis_sizes
+    for pid, name in enumerate(names):
+        ranks = np.flatnonzero(ids == pid)
+        if not len(ranks):
+            continue
+        for i, node in enumerate(plan.programs[name].nodes):
+            for axis, offset in node.attr.get("peer", ()):
+                target = table[ranks, axes.index(axis)] + offset
+                outside = (target < 0) | (target >= mesh[axis])
+                if outside.any():
+                    rank = int(ranks[np.argmax(outside)])
+                    raise PlanError(f"programs.{name}.ops[{i}].attrs.peer: {plan.describe(rank)} has no peer at "
+                                    f"{axis}{offset:+d} ({axis} has {mesh[axis]} positions)")
+
+
+# -- lineage ------------------------------------------------------------------------------------
+class _LineageCheck:
+    """The lineage rules, per entry and per (entry, program); masks over ranks instead of rank loops."""
+
+    def __init__(self, plan: Plan, sizes: _Sizes):
+        self.plan, self.sizes = plan, sizes
+        self.names, self.ids = plan.rank_programs()
+        self.logical_shapes: dict[str, tuple[int, ...]] = {}
+        for i, spec in enumerate(plan.logical.inputs):
+            self.logical_shapes[spec.name] = sizes.shape(spec.shape, f"logical.inputs[{i}].shape")
+        for out, value in plan.logical.outputs:
+            self.logical_shapes.setdefault(out, sizes.shape(plan.logical.shape_of(value), f"logical.outputs.{out}"))
+        self.logical_inputs = {spec.name: spec for spec in plan.logical.inputs}
+        self.logical_outputs = dict(plan.logical.outputs)
+        self._programs_of_where: dict[tuple, list[int]] = {}
+
+    def run(self) -> None:
+        _check_peers(self.plan)
+        by_tensor: dict[str, list[int]] = defaultdict(list)
+        for i, entry in enumerate(self.plan.lineage):
+            self.entry(i, entry)
+            by_tensor[entry.tensor].append(i)
+        self.inputs_have_one_entry(by_tensor)
+        self.outputs_covered()
+
+    def programs_selected(self, entry: Lineage) -> list[int]:
+        if entry.where not in self._programs_of_where:
+            self._programs_of_where[entry.where] = [int(p) for p in np.unique(self.ids[self.plan.selects(entry)])]
+        return self._programs_of_where[entry.where]
+
+    def entry(self, i: int, entry: Lineage) -> None:
+        path, plan, mesh = f"lineage[{i}]", self.plan, self.plan.axis_sizes
+        axes_text = ", ".join(plan.axes)
+        for axis, coord in entry.where:
+            if axis not in mesh:
+                raise PlanError(f"{path}.where.{axis}: axis {axis!r} is not in the mesh ({axes_text})")
+            if not 0 <= coord < mesh[axis]:
+                raise PlanError(f"{path}.where.{axis}: coordinate {coord} is outside the mesh "
+                                f"({axis} has {mesh[axis]} positions)")
+        if entry.logical not in self.logical_shapes:
+            raise PlanError(f"{path}.logical: {entry.logical!r} is neither an input nor an output of the "
+                            f"logical graph")
+        used: list[str] = []
+        shape = list(self.logical_shapes[entry.logical])
+        for j, (dim, factors) in enumerate(entry.slice):
+            where = f"{path}.slice[{j}]"
+            if dim >= len(shape):
+                raise PlanError(f"{where}.dim: {entry.logical!r} has {len(shape)} dimensions, no dim {dim}")
+            if any(d == dim for d, _ in entry.slice[:j]):
+                raise PlanError(f"{where}.dim: dim {dim} is sliced twice")
+            for k, factor in enumerate(factors):
+                if isinstance(factor, str) and factor not in mesh:
+                    raise PlanError(f"{where}.split[{k}]: axis {factor!r} is not in the mesh ({axes_text})")
+                used += [factor] if isinstance(factor, str) else []
+            chunks = plan.chunks(factors)
+            if shape[dim] % chunks:
+                raise PlanError(f"{where}.split: dim {dim} of {entry.logical!r} has size {shape[dim]}, "
+                                f"which does not split into {chunks} equal chunks")
+            shape[dim] //= chunks
+        for axis in entry.partial:
+            if axis not in mesh:
+                raise PlanError(f"{path}.partial: axis {axis!r} is not in the mesh ({axes_text})")
+            if any(a == axis for a, _ in entry.where):
+                raise PlanError(f"{path}.partial: axis {axis!r} is pinned by `where`; a partial group spans "
+                                f"the whole axis")
+        used += list(entry.partial)
+        for axis in set(used):
+            if used.count(axis) > 1:
+                raise PlanError(f"{path}: axis {axis!r} is used twice in the slice and partial axes")
+        for pid in self.programs_selected(entry):
+            self.entry_in_program(path, entry, pid, tuple(shape))
+
+    def entry_in_program(self, path: str, entry: Lineage, pid: int, local: tuple[int, ...]) -> None:
+        name = self.names[pid]
+        program = self.plan.programs[name]
+        is_input = any(spec.name == entry.tensor for spec in program.inputs)
+        if is_input:
+            if entry.logical not in self.logical_inputs:
+                raise PlanError(f"{path}.logical: program input {entry.tensor!r} of {name!r} must come from a "
+                                f"logical input; {entry.logical!r} is a logical output")
+            if entry.partial:
+                raise PlanError(f"{path}.partial: program input {entry.tensor!r} of {name!r} is a whole value, "
+                                f"not a partial sum")
+            value = program.value(entry.tensor)
+        elif entry.tensor in program.output_map:
+            value = program.value(program.output_map[entry.tensor])
+        else:
+            rank = int(np.argmax(self.plan.selects(entry) & (self.ids == pid)))
+            raise PlanError(f"{path}.tensor: {self.plan.describe(rank)} runs {name!r}, which has no input or "
+                            f"output {entry.tensor!r}")
+        have = self.sizes.shape(value.shape, f"programs.{name}: {entry.tensor}.shape")
+        if have != local:
+            raise PlanError(f"{path}: {entry.tensor!r} in program {name!r} has shape {_fmt(have)}, but its slice of "
+                            f"{entry.logical!r} has shape {_fmt(local)}")
+        logical_dtype = (self.logical_inputs[entry.logical].dtype if entry.logical in self.logical_inputs
+                         else self.plan.logical.dtype_of(self.logical_outputs[entry.logical]))
+        if value.dtype != logical_dtype:
+            raise PlanError(f"{path}: {entry.tensor!r} in program {name!r} is {value.dtype}, but "
+                            f"{entry.logical!r} is {logical_dtype}")
+
+    def inputs_have_one_entry(self, by_tensor: dict[str, list[int]]) -> None:
+        """Every program input on every rank running the program has exactly one entry."""
+        lineage = self.plan.lineage
+        counted: dict[tuple, np.ndarray] = {}
+        for pid, name in enumerate(self.names):
+            runs = self.ids == pid
+            if not runs.any():
+                continue
+            for k, spec in enumerate(self.plan.programs[name].inputs):
+                entries = by_tensor.get(spec.name, [])
+                key = (pid, tuple(sorted(lineage[i].where for i in entries)))
+                if key not in counted:
+                    count = np.zeros(self.plan.num_ranks, dtype=np.int64)
+                    for i in entries:
+                        count += self.plan.selects(lineage[i])
+                    counted[key] = count
+                bad = runs & (counted[key] != 1)
+                if bad.any():
+                    rank = int(np.argmax(bad))
+                    coords = self.plan.coords(rank)
+                    found = [f"lineage[{i}]" for i in entries
+                             if all(coords[a] == c for a, c in lineage[i].where)]
+                    what = "no lineage entry" if not found else f"{len(found)} lineage entries ({', '.join(found)})"
+                    raise PlanError(f"programs.{name}.inputs[{k}]: {self.plan.describe(rank)} has {what} for "
+                                    f"input {spec.name!r}; each program input needs exactly one")
+
+    def outputs_covered(self) -> None:
+        """Each logical output is covered, element by element, by the output slices of some ranks."""
+        by_logical: dict[str, list[Lineage]] = defaultdict(list)
+        for entry in self.plan.lineage:
+            if entry.logical in self.logical_outputs and entry.logical not in self.logical_inputs:
+                by_logical[entry.logical].append(entry)
+        for out in self.logical_outputs:
+            shape = self.logical_shapes[out]
+            gap = _first_gap(self.plan, shape, by_logical.get(out, []))
+            if gap is not None:
+                held = "no output lineage entry names it" if not by_logical.get(out) else \
+                    f"no rank holds {out}[{', '.join(f'{a}:{b}' for a, b in gap)}]"
+                raise PlanError(f"logical.outputs.{out}: not covered by output lineage ({held}); "
+                                f"shape {_fmt(shape)}")
+
+
+def _fmt(shape: tuple[int, ...]) -> str:
+    return "(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"
+
+
+def _chunk_indices(plan: Plan, entry: Lineage, factors: tuple) -> np.ndarray:
+    """The chunk indices of one split dimension over all ranks `entry` selects (mixed radix)."""
+    pinned = dict(entry.where)
+    index = np.zeros(1, dtype=np.int64)
+    for factor in factors:
+        if isinstance(factor, Fixed):
+            values = np.array([factor.index])
+        elif factor in pinned:
+            values = np.array([pinned[factor]])
+        else:
+            values = np.arange(plan.axis_sizes[factor])
+        index = (index[:, None] * plan.factor_size(factor) + values[None, :]).ravel()
+    return index
+
+
+def _first_gap(plan: Plan, shape: tuple[int, ...], entries: list[Lineage]) -> tuple | None:
+    """The first box of `shape` that no entry's slices cover, or None if all is covered.
+
+    Each entry covers a Cartesian product of per-dimension chunk sets (its axes
+    are distinct and the mesh is a full grid), so coverage is decided on the
+    grid of elementary intervals cut by every entry's chunk boundaries.
+    """
+    if any(size == 0 for size in shape):
+        return None
+    if not entries:
+        return tuple((0, size) for size in shape)
+    cuts = [{0, size} for size in shape]
+    per_entry = []
+    for entry in entries:
+        split = dict(entry.slice)
+        intervals = []
+        for dim, size in enumerate(shape):
+            if dim in split:
+                chunk = size // plan.chunks(split[dim])
+                starts = _chunk_indices(plan, entry, split[dim]) * chunk
+                cuts[dim].update(starts.tolist())
+                cuts[dim].update((starts + chunk).tolist())
+                intervals.append((starts, starts + chunk))
+            else:
+                intervals.append((np.array([0]), np.array([size])))
+        per_entry.append(intervals)
+    edges = [np.array(sorted(c)) for c in cuts]
+    covered = np.zeros(tuple(len(e) - 1 for e in edges), dtype=bool)
+    for intervals in per_entry:
+        masks = []
+        for dim, (starts, stops) in enumerate(intervals):
+            cells = edges[dim][:-1]
+            masks.append(((cells[:, None] >= starts[None, :]) & (cells[:, None] < stops[None, :])).any(axis=1))
+        covered[np.ix_(*masks)] = True
+    if covered.all():
+        return None
+    cell = np.unravel_index(int(np.argmin(covered)), covered.shape)
+    return tuple((int(edges[d][c]), int(edges[d][c + 1])) for d, c in enumerate(cell))

@@ -1,0 +1,95 @@
+"""The concrete interpreter: runs a graph on float64 / int64 / bool numpy arrays with the rule table.
+
+`eval_node` runs one node and checks its result against the node's stated
+shape and dtype; `run_graph` walks a graph in order (no recursion), frees
+each value after its last reader, and re-raises any failure naming the node.
+Communication needs every rank at once, so it belongs to the plan simulator.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+
+from tv_ray.errors import GraphError, ShapeError, SimulationError, TvRayError
+from tv_ray.ir.dims import Dims
+from tv_ray.ir.graph import Graph, Node
+from tv_ray.ir.ops import COMMUNICATION
+from tv_ray.semantics.shapes import fmt
+from tv_ray.semantics.table import Context, instantiate_attrs, instantiate_shape, numpy_dtype, rule_for
+
+
+def describe(node: Node) -> str:
+    """``mm_3 = mm(view_2, t_1)``"""
+    return f"{node.name} = {node.op}({', '.join(node.args)})"
+
+
+def eval_node(node: Node, args: list[np.ndarray], dims: Dims, ctx: Context = Context()) -> np.ndarray:
+    """Run one node on concrete arrays; the result must have the node's stated shape and dtype.
+
+    Example: ``eval_node(Node.make("y", "neg", ["x"], shape=[2]), [np.ones(2)], {})`` is ``[-1., -1.]``.
+    """
+    if node.op in COMMUNICATION:
+        raise SimulationError(f"{describe(node)}: communication needs every rank of the group; "
+                              f"run the plan with the plan simulator")
+    concrete = rule_for(node.op, "concrete").concrete
+    out = np.asarray(concrete(list(args), instantiate_attrs(node, dims), ctx))
+    stated = instantiate_shape(node.shape, dims)
+    if out.shape != stated:
+        raise ShapeError(f"node {describe(node)}: the result has shape {fmt(out.shape)} but the node "
+                         f"states {fmt(stated)}; fix the stated shape or the inputs")
+    if out.dtype != numpy_dtype(node.dtype):
+        raise GraphError(f"node {describe(node)}: the result has dtype {out.dtype} but the node states "
+                         f"{node.dtype}; fix the stated dtype")
+    return out
+
+
+def _last_reads(graph: Graph) -> dict[str, int]:
+    """For each value, the position of the last node that reads it (outputs are kept to the end)."""
+    last: dict[str, int] = {}
+    for position, node in enumerate(graph.nodes):
+        for arg in node.args:
+            last[arg] = position
+    for _, value in graph.outputs:
+        last[value] = len(graph.nodes)
+    return last
+
+
+def _check_inputs(graph: Graph, dims: Dims, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    values: dict[str, np.ndarray] = {}
+    for spec in graph.inputs:
+        if spec.name not in inputs:
+            raise GraphError(f"{graph.name}: no value given for input {spec.name!r}")
+        value = np.asarray(inputs[spec.name])
+        stated = instantiate_shape(spec.shape, dims)
+        if value.shape != stated:
+            raise ShapeError(f"{graph.name}: input {spec.name!r} has shape {fmt(value.shape)} "
+                             f"but the graph declares {fmt(stated)}")
+        values[spec.name] = value.astype(numpy_dtype(spec.dtype), copy=False)
+    unknown = set(inputs) - {spec.name for spec in graph.inputs}
+    if unknown:
+        raise GraphError(f"{graph.name}: {sorted(unknown)[0]!r} is not an input of the graph")
+    return values
+
+
+def run_graph(graph: Graph, dims: Dims, inputs: Mapping[str, np.ndarray],
+              ctx: Context = Context()) -> dict[str, np.ndarray]:
+    """Run a graph on concrete inputs; returns its outputs by output name.
+
+    Example: ``run_graph(g, {"batch": 2}, {"x": np.ones((2, 3))})["loss"]``.
+    """
+    values = _check_inputs(graph, dims, inputs)
+    last = _last_reads(graph)
+    for position, node in enumerate(graph.nodes):
+        try:
+            values[node.name] = eval_node(node, [values[arg] for arg in node.args], dims, ctx)
+        except TvRayError as err:
+            raise type(err)(f"{err}\n  while executing {describe(node)}") from err
+        except (ArithmeticError, ValueError, IndexError, TypeError) as err:
+            raise SimulationError(f"{type(err).__name__}: {err}\n  while executing {describe(node)}") from err
+        for arg in set(node.args):
+            if last[arg] == position:
+                del values[arg]
+        if node.name not in last:
+            del values[node.name]
+    return {out: values[value] for out, value in graph.outputs}
