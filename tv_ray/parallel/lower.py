@@ -144,8 +144,10 @@ class Lowering:
                 lay = Layout(tuple(dims), cur.layout.partial).with_partial(
                     {x: k for x, k in cur.layout.partial if x != a})
                 cur = self._collective(cur, Op.REDUCE_SCATTER, {"axes": [a], "dim": d, "reduce": kind}, lay, meta)
-        for d in range(dst.rank):
-            cur = self._redistribute(cur, d, dst.dims[d], meta)
+        # all gathers before any chunk: an axis may cut only one dim at a time
+        for gather in (True, False):
+            for d in range(dst.rank):
+                cur = self._redistribute(cur, d, dst.dims[d], gather, meta)
         if not _same(cur.layout, dst):
             raise ParallelConfigError(f"internal: converting {v.names[0]} to {dst} ended at {cur.layout}")
         self._cache[key] = cur
@@ -181,7 +183,7 @@ class Lowering:
             acc = self._emit(self._fresh(v.names[0].split("@")[0]), op, [acc, name], {}, shape, v.dtype, meta)
         return Local(out, (acc,), v.dtype)
 
-    def _redistribute(self, v: Local, d: int, want: tuple[Factor, ...], meta) -> Local:
+    def _redistribute(self, v: Local, d: int, want: tuple[Factor, ...], gather: bool, meta) -> Local:
         have = v.layout.dims[d]
         if canonical(have) == canonical(want):
             return v
@@ -192,15 +194,19 @@ class Lowering:
         have_f, want_f = pair
         cur = Local(Layout(v.layout.dims[:d] + (tuple(have_f),) + v.layout.dims[d + 1:], v.layout.partial),
                     v.names, v.dtype)
-        for i in reversed(range(len(have_f))):      # inner factors first
-            src_axes, dst_axes = cur.layout.dims[d][i].axes, want_f[i].axes
-            keep = 0
-            while keep < min(len(src_axes), len(dst_axes)) and src_axes[keep] == dst_axes[keep]:
-                keep += 1
-            for axis in reversed(src_axes[keep:]):
-                cur = self._factor_op(cur, d, i, axis, gather=True, meta=meta)
+        if gather:
+            for i in reversed(range(len(have_f))):      # inner factors first
+                src_axes, dst_axes = cur.layout.dims[d][i].axes, want_f[i].axes
+                keep = 0
+                while keep < min(len(src_axes), len(dst_axes)) and src_axes[keep] == dst_axes[keep]:
+                    keep += 1
+                for axis in reversed(src_axes[keep:]):
+                    cur = self._factor_op(cur, d, i, axis, gather=True, meta=meta)
+            return cur
         for i in range(len(have_f)):
             src_axes, dst_axes = cur.layout.dims[d][i].axes, want_f[i].axes
+            if dst_axes[:len(src_axes)] != src_axes:
+                raise ParallelConfigError(f"internal: chunking {v.names[0]} dim {d} from {src_axes} to {dst_axes}")
             for axis in dst_axes[len(src_axes):]:
                 cur = self._factor_op(cur, d, i, axis, gather=False, meta=meta)
         return cur

@@ -1,0 +1,126 @@
+"""capture: ATen joint graphs -> logical graphs with symbolic shapes, checked against torch."""
+import pytest
+import torch
+
+import tv_ray.models as models
+from tv_ray.errors import CaptureError
+from tv_ray.frontend import capture, instantiate
+from tv_ray.frontend.capture import capture_spec_at
+from tv_ray.ir import Expr, Op
+
+from .captures import symbolic
+
+CASES = [("llama3-tiny", False), ("llama3-tiny", True), ("gpt2-tiny", True), ("gpt2-tiny", False)]
+FOURTH = {"llama3-tiny": {"batch": 4, "seq": 6, "kv_heads": 3, "n_rep": 5, "head_dim": 10, "ffn": 14, "vocab": 22},
+          "gpt2-tiny": {"batch": 4, "seq": 6, "heads": 3, "head_dim": 10, "ffn": 14, "vocab": 22}}
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{n}-{'tied' if t else 'untied'}" for n, t in CASES])
+def captured(request):
+    return symbolic(*request.param)
+
+
+def test_ops_inputs_and_outputs_are_named_as_documented(captured):
+    spec, graph = captured
+    assert all(isinstance(node.op, Op) for node in graph.nodes)
+    params = [n for n, _ in spec.build().named_parameters()]
+    by_name = {s.name: s for s in graph.inputs}
+    assert [s.name for s in graph.inputs if s.role == "data"] == ["tokens", "targets"]
+    assert [s.name for s in graph.inputs if s.role == "param"] == params
+    for data in ("tokens", "targets"):
+        assert by_name[data].dtype == "int" and by_name[data].high == Expr.dim("vocab")
+        assert by_name[data].shape == (Expr.dim("batch"), Expr.dim("seq"))
+    assert [out for out, _ in graph.outputs] == ["loss"] + [f"grad/{p}" for p in params]
+    assert graph.shape_of(graph.output_map["loss"]) == ()
+    assert {node.get_meta("phase") for node in graph.nodes} == {"fwd", "bwd"}
+
+
+def test_shapes_are_symbolic(captured):
+    spec, graph = captured
+    first_mm = next(n for n in graph.nodes if n.op in (Op.MM, Op.ADDMM))
+    assert {"batch", "seq"} <= first_mm.shape[0].free_dims
+    assert first_mm.get_meta("module") in ("layers.0.attn.q_proj", "layers.0.attn.c_attn")
+
+
+def test_attention_scale_is_a_recorded_form():
+    _, graph = symbolic("llama3-tiny", False)
+    scales = [n for n in graph.nodes if n.get_meta("dims_float") == "other=1*head_dim^(-1/2)"]
+    assert len(scales) == 4      # two layers, forward and backward
+    assert scales[0].attr["other"] == pytest.approx(8 ** -0.5)
+    assert scales[0].get_meta("module") == "layers.0.attn"
+
+
+@pytest.mark.parametrize("name", ["llama3-tiny", "gpt2-tiny"])
+def test_fitted_graph_at_a_fourth_table_equals_a_fresh_capture(name):
+    spec, graph = symbolic(name, name == "gpt2-tiny")
+    dims = FOURTH[name]
+    fitted, fresh = instantiate(graph, dims), capture_spec_at(spec, dims)
+    assert fitted.inputs == fresh.inputs and fitted.outputs == fresh.outputs
+    assert len(fitted.nodes) == len(fresh.nodes)
+    for a, b in zip(fitted.nodes, fresh.nodes):
+        assert (a.name, a.op, a.args, a.shape, a.dtype) == (b.name, b.op, b.args, b.shape, b.dtype)
+        assert a.attr.keys() == b.attr.keys()
+        for key, value in a.attrs:
+            assert value == pytest.approx(b.attr[key], rel=1e-12) if isinstance(value, float) else value == b.attr[key], \
+                (a.name, key)
+
+
+class _Erf(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.inner = _ErfInner()
+
+    def forward(self, x):
+        return self.inner(self.proj(x)).sum()
+
+
+class _ErfInner(torch.nn.Module):
+    def forward(self, x):
+        return torch.erf(x)
+
+
+def test_unsupported_op_names_the_op_and_module():
+    with pytest.raises(CaptureError) as err:
+        capture(_Erf(), (torch.randn(3, 4),))
+    assert str(err.value) == (
+        "node erf (aten.erf.default) in module 'inner': unsupported ATen op aten.erf.default; add a converter "
+        "to tv_ray.frontend.aten.CONVERTERS or a decomposition to tv_ray.frontend.trace.DECOMPOSITIONS")
+
+
+class _SizeBranch(torch.nn.Module):
+    """Adds an op only when seq is large: not shape-polymorphic."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.embed = torch.nn.Embedding(cfg.vocab, cfg.d_model)
+
+    def forward(self, tokens, targets):
+        x = self.embed(tokens)
+        if tokens.shape[1] > 10:
+            x = x * 2.0
+        logits = x @ self.embed.weight.t()
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def test_a_model_whose_structure_depends_on_size_is_refused():
+    spec = models.ModelSpec("branchy", models.get("llama3-tiny").config, _SizeBranch)
+    with pytest.raises(CaptureError, match=r"^model is not shape-polymorphic: the probe captures have \[\d+, \d+, \d+\] ops"):
+        capture(spec)
+
+
+def test_a_plain_module_captures_with_constant_shapes():
+    lin = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    graph = capture(_MSE(lin), (torch.randn(5, 4), torch.randn(5, 3)))
+    assert [s.name for s in graph.inputs if s.role == "data"] == ["x", "y"]
+    assert all(d.is_const for n in graph.nodes for d in n.shape)
+    assert [o for o, _ in graph.outputs] == ["loss", "grad/inner.0.weight", "grad/inner.0.bias"]
+
+
+class _MSE(torch.nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x, y):
+        return ((self.inner(x) - y) ** 2).mean()

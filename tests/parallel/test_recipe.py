@@ -1,0 +1,147 @@
+"""The built-in recipe: plans it builds simulate to the logical step; mutants and bad configs are caught."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+import tv_ray
+from tv_ray.errors import ParallelConfigError
+from tv_ray.plan import Plan
+from tv_ray.simulate import simulate
+
+TOL = 1e-9
+
+
+@pytest.fixture(scope="module")
+def llama_adamw():
+    return tv_ray.capture_step("llama3-tiny", optim="adamw", clip=1.0, tied=True)
+
+
+@pytest.fixture(scope="module")
+def llama_sgd():
+    return tv_ray.capture_step("llama3-tiny", optim="sgd", tied=False)
+
+
+@pytest.fixture(scope="module")
+def gpt2_sgd():
+    return tv_ray.capture_step("gpt2-tiny", optim="sgd", clip=0.5)
+
+
+def _worst(plan: Plan, seed: int = 0) -> dict[str, float]:
+    result = simulate(plan, seed=seed)
+    return {name: dev for name, dev in result.deviation.items() if dev > TOL}
+
+
+# A pairwise-covering subset of dp, tp, pp, mb in {1, 2} x sp x zero 0-3 (the full grid is bench/plan_grid.py).
+GRID = [
+    ("dp=1", {}),
+    ("dp=2", {"zero": 1}),
+    ("tp=2", {"sp": True}),
+    ("pp=2,mb=2", {}),
+    ("dp=2,tp=2", {"zero": 2}),
+    ("dp=2,pp=2", {"zero": 3}),
+    ("tp=2,pp=2,mb=2", {"sp": True, "zero": 1}),
+    ("dp=2,tp=2,pp=2,mb=2", {"sp": True, "zero": 2}),
+    ("dp=2,mb=2", {"zero": 3}),
+]
+
+
+@pytest.mark.parametrize("spec,flags", GRID, ids=[s + "".join(f",{k}={v}" for k, v in f.items()) for s, f in GRID])
+def test_llama_adamw_tied_plans_match_logical_step(llama_adamw, spec, flags):
+    plan = tv_ray.parallelize(llama_adamw, spec, model="llama3-tiny", **flags)
+    assert _worst(plan) == {}
+    outputs = {name for p in plan.programs.values() for name in p.output_map}
+    assert "new/embed.weight" in outputs and "new/exp_avg_sq/layers.1.mlp.down_proj.weight" in outputs
+
+
+@pytest.mark.parametrize("spec,flags", GRID[::2], ids=[s for s, _ in GRID[::2]])
+def test_llama_sgd_untied_plans_match_logical_step(llama_sgd, spec, flags):
+    plan = tv_ray.parallelize(llama_sgd, spec, model="llama3-tiny", **flags)
+    assert _worst(plan, seed=1) == {}
+
+
+@pytest.mark.parametrize("spec,flags", GRID[1::2], ids=[s for s, _ in GRID[1::2]])
+def test_gpt2_plans_match_logical_step(gpt2_sgd, spec, flags):
+    plan = tv_ray.parallelize(gpt2_sgd, spec, model="gpt2-tiny", **flags)
+    assert _worst(plan, seed=2) == {}
+
+
+def test_plan_round_trips_through_its_file(llama_sgd, tmp_path):
+    plan = tv_ray.parallelize(llama_sgd, "dp=2,tp=2,pp=2,mb=2", model="llama3-tiny", sp=True)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert Plan.load(path) == plan
+    assert sorted(plan.programs) == ["stage0", "stage1"]
+    assert plan.num_ranks == 8
+
+
+# -- mutants: each must deviate, and the deviating outputs are named ---------------------------------
+@pytest.fixture(scope="module")
+def base_plan(llama_sgd):
+    return tv_ray.parallelize(llama_sgd, "dp=2,tp=2,pp=2,mb=2", model="llama3-tiny", zero=2).to_json()
+
+
+def _ops(obj, program):
+    return obj["programs"][program]["ops"]
+
+
+def _deviating(obj) -> list[str]:
+    return sorted(_worst(Plan.from_json(obj)))
+
+
+def test_dropped_gradient_all_reduce_deviates(llama_sgd):
+    obj = tv_ray.parallelize(llama_sgd, "dp=2,pp=2", model="llama3-tiny").to_json()
+    ops = _ops(obj, "stage1")
+    i = next(i for i, op in enumerate(ops) if op["op"] == "all_reduce" and op["attrs"]["axes"] == ["dp"]
+             and "norm.weight" == op.get("meta", {}).get("module", "")[-11:] or
+             (op["op"] == "all_reduce" and op["attrs"]["axes"] == ["dp"] and op["shape"] == ["head_dim*kv_heads*n_rep"]))
+    ops[i] = {"out": ops[i]["out"], "op": "clone", "args": ops[i]["args"], "shape": ops[i]["shape"]}
+    bad = _deviating(obj)
+    assert bad and all(name.startswith(("grad/", "new/")) for name in bad)
+
+
+def test_divisor_changed_on_one_rank_deviates(base_plan):
+    obj = copy.deepcopy(base_plan)
+    program = copy.deepcopy(obj["programs"]["stage1"])
+    i = next(i for i, op in enumerate(program["ops"]) if op["op"] == "div" and "other" in op.get("attrs", {}))
+    program["ops"][i]["attrs"]["other"] *= 2
+    obj["programs"]["stage1_bug"] = program
+    obj["ranks"]["overrides"] = {"5": "stage1_bug"}
+    assert _deviating(obj)
+
+
+def test_swapped_send_recv_peers_deviate(base_plan):
+    obj = copy.deepcopy(base_plan)
+    sends = [op for op in _ops(obj, "stage0") if op["op"] == "send"]
+    by_shape: dict[str, list] = {}
+    for op in sends:
+        shape = json.dumps(next(o for o in _ops(obj, "stage0") if o["out"] == op["args"][0])["shape"])
+        by_shape.setdefault(shape, []).append(op)
+    a, b = next(group for group in by_shape.values() if len(group) >= 2)[:2]
+    a["attrs"]["tag"], b["attrs"]["tag"] = b["attrs"]["tag"], a["attrs"]["tag"]
+    assert _deviating(obj)
+
+
+def test_reduce_scatter_over_wrong_axis_deviates(base_plan):
+    obj = copy.deepcopy(base_plan)
+    ops = _ops(obj, "stage1")
+    op = next(op for op in ops if op["op"] == "reduce_scatter" and op["attrs"]["axes"] == ["dp"])
+    op["attrs"]["axes"] = ["tp"]
+    assert _deviating(obj)
+
+
+# -- configs the model cannot take -------------------------------------------------------------------
+@pytest.mark.parametrize("spec,flags,message", [
+    ("tp=3", {}, "parallel spec tp=3: tp = 3 must divide kv_heads = 2"),
+    ("pp=3", {}, "parallel spec pp=3: pp = 3 is more than the model's 2 layers"),
+    ("dp=3", {}, "parallel spec dp=3: dp*mb = 3 must divide batch = 8"),
+    ("dp=2", {"sp": True}, "--sp (sequence parallel) needs tp > 1: it shards the sequence over tp"),
+    ("dp=2,xp=2", {}, "parallel spec 'dp=2,xp=2': 'xp=2' is not one of dp=N, tp=N, pp=N, mb=N, cp=N, ep=N"),
+    ("dp=2", {"zero": 4}, "--zero 4: ZeRO stage must be 0, 1, 2 or 3"),
+])
+def test_impossible_configs_are_refused(llama_sgd, spec, flags, message):
+    with pytest.raises(ParallelConfigError) as err:
+        tv_ray.parallelize(llama_sgd, spec, model="llama3-tiny", **flags)
+    assert str(err.value) == message

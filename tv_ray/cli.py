@@ -1,0 +1,73 @@
+"""The `tv-ray` command: list models, build plans, simulate plans.
+
+Examples::
+
+    tv-ray models
+    tv-ray plan --model llama3-tiny --parallel dp=2,tp=2,pp=2,mb=2 --sp --optim adamw --clip 1.0 -o plan.json
+    tv-ray run plan.json --seed 0
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from tv_ray.errors import TvRayError
+from tv_ray.models import cmd_models, list_models
+from tv_ray.simulate import add_run_parser, parse_dims
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from tv_ray.api import capture_step, parallelize
+    try:
+        start = time.perf_counter()
+        dims = parse_dims(args.dims)
+        graph = capture_step(args.model, optim=args.optim, clip=args.clip, tied=args.tied, dims=dims or None)
+        captured = time.perf_counter()
+        plan = parallelize(graph, args.parallel, model=args.model, dims=dims or None, sp=args.sp, zero=args.zero)
+        plan.save(args.output)
+        done = time.perf_counter()
+    except TvRayError as err:
+        print(f"tv-ray plan: {' | '.join(str(err).splitlines())}", file=sys.stderr)
+        return 2
+    print(json.dumps({"plan": args.output, "model": args.model, "parallel": args.parallel, "sp": args.sp,
+                      "zero": args.zero, "optim": args.optim, "clip": args.clip, "ranks": plan.num_ranks,
+                      "programs": {name: len(p.nodes) for name, p in plan.programs.items()},
+                      "logical_ops": len(plan.logical.nodes),
+                      "seconds": {"capture": round(captured - start, 2), "parallelize": round(done - captured, 2)}}))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tv-ray", description="Verify distributed LLM training plans.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    models = sub.add_parser("models", help="list the built-in models and their shapes")
+    models.set_defaults(func=cmd_models)
+    plan = sub.add_parser("plan", help="capture a built-in model's training step and parallelize it into a plan",
+                          description="Example: tv-ray plan --model llama3-tiny --parallel dp=2,tp=2,pp=2,mb=2 "
+                                      "--sp --zero 1 --optim adamw --clip 1.0 -o plan.json")
+    plan.add_argument("--model", required=True, choices=list_models(), metavar="NAME",
+                      help="a built-in model (see `tv-ray models`)")
+    plan.add_argument("--parallel", required=True, metavar="SPEC", help="degrees, e.g. dp=2,tp=2,pp=2,mb=2")
+    plan.add_argument("--sp", action="store_true", help="sequence parallel (needs tp > 1)")
+    plan.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (default 0)")
+    tied = plan.add_mutually_exclusive_group()
+    tied.add_argument("--tied", dest="tied", action="store_true", default=None, help="tie embedding and head")
+    tied.add_argument("--untied", dest="tied", action="store_false", help="separate embedding and head")
+    plan.add_argument("--optim", choices=("sgd", "adamw"), default="sgd", help="optimizer step (default sgd)")
+    plan.add_argument("--clip", type=float, default=None, metavar="NORM", help="clip by global gradient norm")
+    plan.add_argument("--dims", default="", help="override model dims: name=size,...")
+    plan.add_argument("-o", "--output", required=True, help="where to write the plan JSON")
+    plan.set_defaults(func=cmd_plan)
+    add_run_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
