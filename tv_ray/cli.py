@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from tv_ray.errors import TvRayError
 from tv_ray.models import cmd_models, list_models
@@ -26,6 +27,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         graph = capture_step(args.model, optim=args.optim, clip=args.clip, tied=args.tied, dims=dims or None)
         captured = time.perf_counter()
         plan = parallelize(graph, args.parallel, model=args.model, dims=dims or None, sp=args.sp, zero=args.zero)
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         plan.save(args.output)
         done = time.perf_counter()
     except TvRayError as err:

@@ -17,11 +17,13 @@ import numpy as np
 from tv_ray.errors import PlanError, TvRayError
 from tv_ray.ir import Expr, Graph
 from tv_ray.ir.lint import lint
-from tv_ray.ir.ops import COMMUNICATION, RANK_DEPENDENT
+from tv_ray.ir.ops import ATTRS, COMMUNICATION, RANK_DEPENDENT
 from tv_ray.plan import Fixed, Lineage, Plan
 from tv_ray.semantics import Context
 
-_PROGRAM_ONLY = COMMUNICATION | RANK_DEPENDENT
+# Ops that name mesh axes; none of them may appear in the logical graph.
+_MESH_OPS = COMMUNICATION | RANK_DEPENDENT
+assert all("axes" in ATTRS[op] or "peer" in ATTRS[op] for op in _MESH_OPS)
 _LINT_NODE = re.compile(r"node (\S+) = ")
 
 
@@ -66,22 +68,21 @@ def _check_graph(plan: Plan, graph: Graph, path: str, sizes: _Sizes, logical: bo
             raise PlanError(f"{path}.inputs[{i}].high: int input {spec.name!r} needs `high` "
                             f"(its values lie in [0, high))")
     mesh = plan.axis_sizes
-    for i, node in enumerate(graph.nodes):
-        sizes.shape(node.shape, f"{path}.ops[{i}].shape")
-        if logical and node.op in _PROGRAM_ONLY:
+    for i, node in enumerate(graph.nodes):   # node shapes are evaluated by lint, which names the node
+        if node.op not in _MESH_OPS:
+            continue
+        if logical:
             raise PlanError(f"{path}.ops[{i}].op: {node.op} belongs to rank programs; the logical graph "
                             f"is one device's step")
         attrs = node.attr
-        for axis in attrs.get("axes", ()):
+        axes = attrs.get("axes", ())
+        for axis in axes + tuple(axis for axis, _ in attrs.get("peer", ())):
             if axis not in mesh:
-                raise PlanError(f"{path}.ops[{i}].attrs.axes: axis {axis!r} is not in the mesh "
+                key = "axes" if axis in axes else "peer"
+                raise PlanError(f"{path}.ops[{i}].attrs.{key}: axis {axis!r} is not in the mesh "
                                 f"({', '.join(plan.axes)})")
-        if len(set(attrs.get("axes", ()))) != len(attrs.get("axes", ())):
+        if len(set(axes)) != len(axes):
             raise PlanError(f"{path}.ops[{i}].attrs.axes: an axis is listed twice")
-        for axis, _ in attrs.get("peer", ()):
-            if axis not in mesh:
-                raise PlanError(f"{path}.ops[{i}].attrs.peer: axis {axis!r} is not in the mesh "
-                                f"({', '.join(plan.axes)})")
     _lint(plan, graph, path, sizes.dims, logical)
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tv_ray.models.llama import causal_mask
+from tv_ray.models.llama import causal_mask, lm_loss
 
 
 @dataclass(frozen=True)
@@ -93,12 +93,10 @@ class GPT2(nn.Module):
         self.lm_head = None if cfg.tied else nn.Linear(cfg.d_model, cfg.vocab, bias=False)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        b, s = tokens.shape
+        s = tokens.shape[1]
         positions = torch.arange(s, device=tokens.device)
         x = self.wte(tokens) + self.wpe(positions)
         mask = causal_mask(s, like=x)
         for layer in self.layers:
             x = layer(x, mask)
-        x = self.ln_f(x)
-        logits = x @ self.wte.weight.t() if self.lm_head is None else self.lm_head(x)
-        return F.cross_entropy(logits.reshape(b * s, -1), targets.reshape(b * s))
+        return lm_loss(self.ln_f(x), self.wte.weight, self.lm_head, targets)

@@ -73,6 +73,14 @@ def causal_mask(seq: int, like: torch.Tensor) -> torch.Tensor:
     return torch.full((seq, seq), float("-inf"), device=like.device, dtype=like.dtype).triu(1)
 
 
+def lm_loss(x: torch.Tensor, embed_weight: torch.Tensor, lm_head: nn.Module | None,
+            targets: torch.Tensor) -> torch.Tensor:
+    """Logits through the untied head (or the tied embedding), then mean cross-entropy over batch*seq."""
+    b, s = targets.shape
+    logits = x @ embed_weight.t() if lm_head is None else lm_head(x)
+    return F.cross_entropy(logits.reshape(b * s, -1), targets.reshape(b * s))
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -137,12 +145,10 @@ class Llama(nn.Module):
         self.lm_head = None if cfg.tied else nn.Linear(cfg.d_model, cfg.vocab, bias=False)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        b, s = tokens.shape
+        s = tokens.shape[1]
         x = self.embed(tokens)
         cos, sin = rope_tables(s, self.cfg.head_dim, self.cfg.rope_theta, like=x)
         mask = causal_mask(s, like=x)
         for layer in self.layers:
             x = layer(x, cos, sin, mask)
-        x = self.norm(x)
-        logits = x @ self.embed.weight.t() if self.lm_head is None else self.lm_head(x)
-        return F.cross_entropy(logits.reshape(b * s, -1), targets.reshape(b * s))
+        return lm_loss(self.norm(x), self.embed.weight, self.lm_head, targets)

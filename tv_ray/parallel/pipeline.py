@@ -78,8 +78,8 @@ class Stager:
         for node in self.program.nodes:
             if node.get_meta("phase") == "optim":
                 phase[node.name] = "optim"
-            elif node.op == Op.FULL_LIKE and node.dtype == "float" and not node.shape and node.attr["value"] == 1.0 \
-                    and not seeds and self._reaches_loss(node, loss):
+            elif loss is not None and not seeds and node.op == Op.FULL_LIKE and not node.shape \
+                    and node.attr["value"] == 1.0:       # the loss seed ones_like(loss) of the joint graph
                 seeds.add(node.name)
                 phase[node.name] = "bwd"
             elif any(phase.get(a) == "bwd" for a in node.args):
@@ -87,9 +87,6 @@ class Stager:
             else:
                 phase[node.name] = "fwd"
         return phase
-
-    def _reaches_loss(self, node: Node, loss: str | None) -> bool:
-        return bool(node.args) and node.args[0] != "" and loss is not None
 
     def assign(self) -> tuple[dict[str, int | None], dict[str, str]]:
         phase = self.phases()
@@ -148,12 +145,8 @@ class Stager:
         # parameters updated here but held elsewhere too: send the new value (tied weights)
         inputs_by_stage: dict[int, set[str]] = {s: set() for s in range(self.pp)}
         for s in range(self.pp):
-            mine = set(members[s])
             for name in members[s]:
-                for a in producers[name].args:
-                    if a not in producers:
-                        inputs_by_stage[s].add(a)
-            del mine
+                inputs_by_stage[s].update(a for a in producers[name].args if a not in producers)
         for out, value in outputs.items():
             if out.startswith("new/") and out[4:] in {i.name for i in prog.inputs}:
                 for s in range(self.pp):
@@ -174,14 +167,11 @@ class Stager:
             return None if s is None or s == dst else s
 
         programs, lineage = {}, []
-        plans: dict[int, list[str]] = {}
+        plans = members
         for s in range(self.pp):
-            wanted = list(members[s])
-            extra_outputs = [(out, v) for out, v in prog.outputs if s in out_stages[out] and v in producers
-                             and home.get(v) not in (None, s)]
-            for out, v in extra_outputs:
-                tags.setdefault((v, s), len(tags))
-            plans[s] = wanted
+            for out, v in prog.outputs:      # outputs held here but made elsewhere (updated tied weights)
+                if s in out_stages[out] and v in producers and home.get(v) not in (None, s):
+                    tags.setdefault((v, s), len(tags))
         for s in range(self.pp):
             for name in plans[s]:
                 for a in producers[name].args:
@@ -198,23 +188,20 @@ class Stager:
             send_after: dict[str, list[int]] = {}
             for value, dst in sends[s]:
                 send_after.setdefault(value, []).append(dst)
-            for value in [v for v in send_after if v in specs]:
-                pass
+
+            def received(value: str, src: int) -> str:
+                """The local name of `value` made on stage `src`: one recv per value, before its first use."""
+                if value not in recvd:
+                    recvd[value] = f"{value}<{src}"
+                    p = producers[value]
+                    nodes.append(Node.make(recvd[value], Op.RECV, [], {"peer": {"pp": src - s}, "size": p.shape,
+                                                                       "dtype": p.dtype, "tag": tags[(value, s)]},
+                                           p.shape, p.dtype, dict(p.meta)))
+                return recvd[value]
+
             for name in order:
                 node = producers[name]
-                args = []
-                for a in node.args:
-                    src = source(a, s)
-                    if src is None:
-                        args.append(a)
-                        continue
-                    if a not in recvd:
-                        recvd[a] = f"{a}<{src}"
-                        p = producers[a]
-                        nodes.append(Node.make(recvd[a], Op.RECV, [], {"peer": {"pp": src - s}, "size": p.shape,
-                                                                       "dtype": p.dtype, "tag": tags[(a, s)]},
-                                               p.shape, p.dtype, dict(p.meta)))
-                    args.append(recvd[a])
+                args = [a if source(a, s) is None else received(a, source(a, s)) for a in node.args]
                 nodes.append(Node(node.name, node.op, tuple(args), node.attrs, node.shape, node.dtype, node.meta))
                 for dst in send_after.get(name, []):
                     nodes.append(Node.make(f"{name}>{dst}", Op.SEND, [name], {"peer": {"pp": dst - s},
@@ -227,14 +214,7 @@ class Stager:
                 if value in member or value in specs:
                     outs[out] = value
                 else:
-                    src = home[value]
-                    if value not in recvd:
-                        recvd[value] = f"{value}<{src}"
-                        p = producers[value]
-                        nodes.append(Node.make(recvd[value], Op.RECV, [], {"peer": {"pp": src - s}, "size": p.shape,
-                                                                           "dtype": p.dtype, "tag": tags[(value, s)]},
-                                               p.shape, p.dtype, dict(p.meta)))
-                    outs[out] = recvd[value]
+                    outs[out] = received(value, home[value])
             used = {a for n in nodes for a in n.args} | set(outs.values())
             inputs = tuple(spec for spec in prog.inputs if spec.name in used)
             name = f"stage{s}"

@@ -1,0 +1,50 @@
+"""Build a frontier-size plan (default llama3-405b at dp=64,tp=8,pp=16,mb=16) and report time, memory, size.
+
+    python bench/frontier_plan.py [--model llama3-405b] [--parallel dp=64,tp=8,pp=16,mb=16] [--out DIR]
+
+Writes bench/results/frontier_plan.json with the phase times (capture,
+parallelize, save), peak RSS and the plan file size.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import time
+
+import tv_ray
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="llama3-405b")
+    parser.add_argument("--parallel", default="dp=64,tp=8,pp=16,mb=16")
+    parser.add_argument("--optim", default="adamw")
+    parser.add_argument("--out", default="out")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"{args.model}.plan.json")
+    t0 = time.perf_counter()
+    graph = tv_ray.capture_step(args.model, optim=args.optim)
+    t1 = time.perf_counter()
+    plan = tv_ray.parallelize(graph, args.parallel, model=args.model)
+    t2 = time.perf_counter()
+    plan.save(path)
+    t3 = time.perf_counter()
+    result = {
+        "model": args.model, "parallel": args.parallel, "optim": args.optim, "ranks": plan.num_ranks,
+        "logical_ops": len(graph.nodes), "programs": len(plan.programs),
+        "ops_per_program": {name: len(p.nodes) for name, p in plan.programs.items()},
+        "seconds": {"capture": round(t1 - t0, 1), "parallelize": round(t2 - t1, 1), "save": round(t3 - t2, 1)},
+        "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+        "file_mib": round(os.path.getsize(path) / 2**20, 1),
+    }
+    os.makedirs("bench/results", exist_ok=True)
+    with open("bench/results/frontier_plan.json", "w") as f:
+        json.dump(result, f, indent=2)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
