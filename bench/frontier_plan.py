@@ -14,6 +14,7 @@ import resource
 import time
 
 import tv_ray
+from tv_ray.simulate import parse_dims
 
 
 def main() -> None:
@@ -22,18 +23,20 @@ def main() -> None:
     parser.add_argument("--parallel", default="dp=64,tp=8,pp=16,mb=16")
     parser.add_argument("--optim", default="adamw")
     parser.add_argument("--out", default="out")
+    parser.add_argument("--dims", default="batch=2048", help="model dims to override (global batch, ...)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"{args.model}.plan.json")
     t0 = time.perf_counter()
-    graph = tv_ray.capture_step(args.model, optim=args.optim)
+    dims = parse_dims(args.dims)
+    graph = tv_ray.capture_step(args.model, optim=args.optim, dims=dims)
     t1 = time.perf_counter()
-    plan = tv_ray.parallelize(graph, args.parallel, model=args.model)
+    plan = tv_ray.parallelize(graph, args.parallel, model=args.model, dims=dims)
     t2 = time.perf_counter()
     plan.save(path)
     t3 = time.perf_counter()
     result = {
-        "model": args.model, "parallel": args.parallel, "optim": args.optim, "ranks": plan.num_ranks,
+        "model": args.model, "parallel": args.parallel, "dims": dims, "optim": args.optim, "ranks": plan.num_ranks,
         "logical_ops": len(graph.nodes), "programs": len(plan.programs),
         "ops_per_program": {name: len(p.nodes) for name, p in plan.programs.items()},
         "seconds": {"capture": round(t1 - t0, 1), "parallelize": round(t2 - t1, 1), "save": round(t3 - t2, 1)},

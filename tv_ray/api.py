@@ -57,7 +57,7 @@ def parallelize(graph: Graph, spec: str | ParallelSpec, *, model: str | ModelSpe
     elif flags:
         raise ParallelConfigError(f"flags {sorted(flags)} given with a ParallelSpec; set them on it")
     name = model if isinstance(model, str) else model.name
-    if isinstance(model, ModelSpec) or (isinstance(model, str) and dims is None and _known(model)):
+    if isinstance(model, ModelSpec) or _known(model):
         model_spec = _spec(model, None, None)
         dims = {**model_spec.dims, **(dims or {})}
         layers = layers or model_spec.config.layers

@@ -228,7 +228,8 @@ class Plan:
         return position
 
     def _check_rank(self, rank: int) -> None:
-        if not _is_int(rank) and not isinstance(rank, np.integer) or not 0 <= rank < self.num_ranks:
+        is_int = _is_int(rank) or isinstance(rank, np.integer)
+        if not is_int or not 0 <= rank < self.num_ranks:
             raise PlanError(f"rank {rank} is not in the mesh (ranks 0..{self.num_ranks - 1})")
 
     # -- programs ------------------------------------------------------------------

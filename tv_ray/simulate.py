@@ -32,7 +32,7 @@ from tv_ray.ir import Node, Op
 from tv_ray.ir.ops import COLLECTIVES
 from tv_ray.semantics import Context, eval_node, rule_for, run_graph
 from tv_ray.semantics.interpret import describe as describe_node
-from tv_ray.semantics.table import instantiate_shape, numpy_dtype
+from tv_ray.semantics.table import dtype_name, instantiate_shape, numpy_dtype
 
 GROUPS = ("loss", "grad", "param", "state")
 
@@ -256,6 +256,10 @@ class Scheduler:
         del self.arrived[slot]
         for member, value in zip(members, results):
             peer = self.ranks[member]
+            stated = instantiate_shape(peer.program.nodes[peer.pc].shape, self.dims)
+            if value.shape != stated:
+                raise SimulationError(f"{self.plan.describe(member)} at {peer.where()}: {_op_text(node)} gives shape "
+                                      f"{value.shape} but the op states {stated}")
             peer.issued[group] += 1
             self._advance(peer, peer.program.nodes[peer.pc], value)
         return True
@@ -278,7 +282,7 @@ class Scheduler:
         want = instantiate_shape(node.attr["size"], self.dims)
         if value.shape != want or value.dtype != numpy_dtype(node.attr["dtype"]):
             raise SimulationError(f"{self.plan.describe(state.rank)} at {state.where()} ({describe_node(node)}) "
-                                  f"expects {node.attr['dtype']} {want} but {sent_at} sent {value.dtype} "
+                                  f"expects {node.attr['dtype']} {want} but {sent_at} sent {dtype_name(value)} "
                                   f"{value.shape}")
         self._advance(state, node, value)
         return True

@@ -159,11 +159,15 @@ def dp_program(loss: str = "sum", divisor_batch: str = "batch/2", reduce: str = 
 
 
 def dp_plan(loss: str = "sum", overrides: dict | None = None) -> dict:
-    """dp=2. With loss = sum the loss stays a partial sum over dp (lineage `partial`); with mean it is averaged."""
+    """dp=2. With loss = sum the loss stays a partial sum over dp (lineage `partial`); with mean it is averaged.
+
+    `overrides` maps ranks to other programs: a name ending in ``_bug`` gets the mean's divisor wrong.
+    """
     reduce = "sum" if loss == "sum" else "avg"
     programs = {"dp": dp_program(loss, reduce=reduce)}
-    for name in set((overrides or {}).values()):
-        programs[name] = dp_program(loss, divisor_batch="batch", reduce=reduce)   # the wrong divisor
+    for name in set((overrides or {}).values()) - {"dp"}:   # "*_bug" programs divide by the wrong batch size
+        programs[name] = dp_program(loss, divisor_batch="batch" if name.endswith("_bug") else "batch/2",
+                                    reduce=reduce)
     lineage = [entry("x", slice_=[(0, ["dp"])]), entry("w1"), entry("w2"), entry("exp_avg/w1"),
                entry("loss", partial=["dp"] if loss == "sum" else None)]
     lineage += [entry(name) for name in OUTPUTS[1:]]

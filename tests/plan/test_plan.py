@@ -1,0 +1,87 @@
+"""Plan loading, saving and the mesh / lineage helpers."""
+import json
+
+import numpy as np
+import pytest
+
+from plan.mlp_plans import dp_plan, pp_plan, tp_plan, zero_plan
+from tv_ray.errors import PlanError
+from tv_ray.plan import Fixed, Lineage, Plan
+
+BUILDERS = {"tp": tp_plan, "dp": dp_plan, "dp_mean": lambda: dp_plan("mean"), "zero": zero_plan, "pp": pp_plan,
+            "override": lambda: dp_plan("mean", overrides={"1": "dp_bug"})}
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_save_load_round_trip(name, tmp_path):
+    plan = Plan.from_json(BUILDERS[name]())
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    again = Plan.load(path)
+    assert again == plan
+    assert again.to_json() == plan.to_json()
+    assert json.loads(path.read_text()) == plan.to_json()
+
+
+def test_saved_file_has_one_op_per_line(tmp_path):
+    plan = Plan.from_json(tp_plan())
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    lines = path.read_text().splitlines()
+    ops = [line for line in lines if line.lstrip().startswith('{"out": ')]
+    assert len(ops) == len(plan.programs["tp"].nodes) + len(plan.logical.nodes)
+
+
+def test_mesh_coordinates_are_row_major_last_axis_fastest():
+    plan = Plan.from_json(zero_plan())          # mesh dp=2, tp=2
+    assert plan.num_ranks == 4
+    assert [plan.coords(r) for r in range(4)] == [{"dp": 0, "tp": 0}, {"dp": 0, "tp": 1},
+                                                 {"dp": 1, "tp": 0}, {"dp": 1, "tp": 1}]
+    assert all(plan.rank_of(plan.coords(r)) == r for r in range(4))
+    assert plan.group(3, ["tp"]) == [2, 3]
+    assert plan.group(3, ["dp"]) == [1, 3]
+    assert plan.group(0, ["tp", "dp"]) == [0, 2, 1, 3]      # first listed axis outermost
+    assert plan.describe(2) == "rank 2 (dp=1, tp=0)"
+    with pytest.raises(PlanError, match=r"^rank 4 is not in the mesh \(ranks 0..3\)$"):
+        plan.coords(4)
+
+
+def test_programs_from_template_and_overrides():
+    plan = Plan.from_json(pp_plan())
+    assert [plan.program_of(r) for r in range(2)] == ["stage0", "stage1"]
+    bug = Plan.from_json(dp_plan("mean", overrides={"1": "dp_bug"}))
+    assert [bug.program_of(r) for r in range(2)] == ["dp", "dp_bug"]
+
+
+def test_lineage_for_and_slice_bounds():
+    plan = Plan.from_json(zero_plan())
+    entries = {e.tensor: e for e in plan.lineage_for(1)}
+    assert entries["shard/w2"] == Lineage((), "shard/w2", "w2", ((0, ("tp", "dp")),))
+    # w2 is (ffn=8, d=4); split dim 0 by tp (outer) then dp: rank 1 = (dp=0, tp=1) holds chunk 2 of 4
+    assert plan.slice_bounds(entries["shard/w2"], 1, (8, 4)) == ((4, 6), (0, 4))
+    assert plan.slice_bounds(entries["shard/w1"], 1, (4, 8)) == ((0, 2), (4, 8))
+    pp = Plan.from_json(pp_plan())
+    mb1 = next(e for e in pp.lineage_for(0) if e.tensor == "x.mb1")
+    assert mb1.slice == ((0, (Fixed(1, 2),)),)
+    assert pp.slice_bounds(mb1, 0, (4, 4)) == ((2, 4), (0, 4))
+    assert {e.tensor for e in pp.lineage_for(1)} == {"w2", "loss", "grad/w2", "new/w2"}
+
+
+def test_rank_programs_are_vectorised_over_the_mesh():
+    names, ids = Plan.from_json(pp_plan()).rank_programs()
+    assert names == ("stage0", "stage1")
+    assert np.array_equal(ids, [0, 1])
+
+
+def test_a_mesh_of_8192_ranks_validates_per_program_not_per_rank():
+    import time
+    obj = tp_plan()
+    obj["mesh"] = {"pp": 16, "dp": 256, "tp": 2}
+    obj["ranks"] = {"program": "tp", "overrides": {"8191": "tp"}}
+    start = time.perf_counter()
+    plan = Plan.from_json(obj)
+    assert time.perf_counter() - start < 2.0
+    assert plan.num_ranks == 8192
+    assert plan.coords(8191) == {"pp": 15, "dp": 255, "tp": 1}
+    assert plan.group(8191, ["tp"]) == [8190, 8191]
+    assert plan.program_of(8191) == "tp"
