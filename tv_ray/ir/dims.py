@@ -9,6 +9,7 @@ shape rules written with ordinary arithmetic work on ints and `Expr` alike.
 from __future__ import annotations
 
 import ast
+import functools
 from fractions import Fraction
 from typing import Mapping, Union
 
@@ -26,15 +27,30 @@ def _mono_mul(a: Monomial, b: Monomial) -> Monomial:
     return tuple(sorted((n, e) for n, e in powers.items() if e != 0))
 
 
+_INTERNED: dict[tuple, "Expr"] = {}
+
+
 class Expr:
     """An immutable polynomial with rational coefficients over dimension names."""
 
-    __slots__ = ("terms", "_hash")
+    __slots__ = ("terms", "_hash", "_text")
 
-    def __init__(self, terms: Mapping[Monomial, Fraction] | None = None):
+    def __new__(cls, terms: Mapping[Monomial, Fraction] | None = None) -> "Expr":
         clean = tuple(sorted((m, Fraction(c)) for m, c in (terms or {}).items() if c != 0))
+        self = _INTERNED.get(clean)
+        if self is not None:
+            return self     # hash-consed: equal expressions are one object
+        self = object.__new__(cls)
         object.__setattr__(self, "terms", clean)
-        object.__setattr__(self, "_hash", hash(clean))
+        # a constant hashes as its number, since it compares equal to it
+        constant = all(m == () for m, _ in clean)
+        object.__setattr__(self, "_hash", hash(clean[0][1] if clean else 0) if constant else hash(clean))
+        object.__setattr__(self, "_text", None)
+        _INTERNED[clean] = self
+        return self
+
+    def __reduce__(self):
+        return (Expr, (dict(self.terms),))
 
     def __setattr__(self, *_):
         raise AttributeError("Expr is immutable")
@@ -83,6 +99,8 @@ class Expr:
 
     def eval(self, dims: Dims) -> int:
         """Evaluate at a table of dimension values; the result must be an integer."""
+        if self.is_const:
+            return self.const_value()
         total = Fraction(0)
         for mono, coef in self.terms:
             value = coef
@@ -139,6 +157,8 @@ class Expr:
 
     # -- comparison and hashing ----------------------------------------------
     def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
         if isinstance(other, (int, Fraction, str)) and not isinstance(other, bool):
             other = Expr.of(other)
         return isinstance(other, Expr) and self.terms == other.terms
@@ -150,6 +170,11 @@ class Expr:
         return f"Expr({str(self)!r})"
 
     def __str__(self) -> str:
+        if self._text is None:
+            object.__setattr__(self, "_text", self._format())
+        return self._text
+
+    def _format(self) -> str:
         if not self.terms:
             return "0"
         parts = []
@@ -181,6 +206,7 @@ class Expr:
 ExprLike = Union[Expr, int, Fraction, str]
 
 
+@functools.lru_cache(maxsize=65536)
 def parse(text: str) -> Expr:
     """Parse ``batch*seq/2 + 3`` or ``d^2`` into an Expr (only + - * / ^ and parentheses)."""
     try:

@@ -258,8 +258,16 @@ class Lowering:
         return Local(out, around(v.names, body), v.dtype)
 
     # -- nodes ------------------------------------------------------------------------------
+    def reduced(self, v: Local) -> Local:
+        """A partial value that some op has already reduced: reuse the reduced copy (no second all_reduce)."""
+        if v.layout.partial:
+            done = self._cache.get((v.names, Layout.make(v.layout.dims)))
+            if done is not None:
+                return done
+        return v
+
     def node(self, node: Node, env: Env, force: Layout | None = None) -> Local:
-        ins = [self.values[a] for a in node.args]
+        ins = [self.reduced(self.values[a]) for a in node.args]
         try:
             dec = decide(node, [x.layout for x in ins], env)
         except ParallelConfigError as err:

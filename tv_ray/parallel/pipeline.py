@@ -92,7 +92,7 @@ class Stager:
         phase = self.phases()
         stage: dict[str, int | None] = {s.name: self.pin(s.name) for s in self.program.inputs}
         grad_home: dict[str, int | None] = {}
-        outputs = self.program.output_map
+        grad_of = {value: out[5:] for out, value in self.program.outputs if out.startswith("grad/")}
         for node in self.program.nodes:
             placed = [stage[a] for a in node.args if stage[a] is not None]
             kind = phase[node.name]
@@ -103,9 +103,8 @@ class Stager:
                 stage[node.name] = None
             else:
                 stage[node.name] = max(placed) if kind == "fwd" else min(placed)
-            for out, value in outputs.items():
-                if value == node.name and out.startswith("grad/"):
-                    grad_home[out[5:]] = stage[node.name]
+            if node.name in grad_of:
+                grad_home[grad_of[node.name]] = stage[node.name]
         return stage, phase
 
     def build(self, lowering: Lowering):

@@ -20,12 +20,14 @@ from tv_ray.parallel.lower import MB, Lowering
 from tv_ray.parallel.pipeline import split_stages
 from tv_ray.parallel.rules import Env
 from tv_ray.parallel.spec import ParallelSpec
+from tv_ray.parallel.vocab import vocab_parallel_forms
 
 # Megatron tensor parallelism: which dim of a parameter tp cuts (torch Linear weights are [out, in]).
 TP_RULES: tuple[tuple[str, int], ...] = (
     (r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj|c_fc)\.(weight|bias)$", 0),   # column parallel
     (r"\.(o_proj|down_proj|c_proj)\.weight$", 1),                                 # row parallel
     (r"^lm_head\.weight$", 0),                                                    # vocab-split head
+    (r"^(embed|wte)\.weight$", 0),                                                # vocab-split embedding
 )
 MESH_ORDER = ("pp", "dp", "cp", "ep", "tp")
 
@@ -157,6 +159,8 @@ def parallelize(graph: Graph, spec: ParallelSpec | str, dims: Mapping[str, int],
     spec.check_model(dims, layers)
     logical = graph
     graph = prepare(graph)
+    if spec.tp > 1:
+        graph = vocab_parallel_forms(graph)
     recipe = Recipe(graph, spec)
     sizes = {a: getattr(spec, a) for a in ("dp", "tp") if getattr(spec, a) > 1}
     if spec.mb > 1:

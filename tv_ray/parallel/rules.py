@@ -158,6 +158,11 @@ def _matmul(node: Node, a: Layout, b: Layout, env: Env, batch: bool) -> Decision
     partial = {}
     if a.partial and b.partial:
         a, b = a.without_partial(), b.without_partial()
+    # a partial sum over an axis that cuts the other operand: reduce it rather than gather the other
+    if {x for x, _ in a.partial} & b.axes():
+        a = a.without_partial()
+    if {x for x, _ in b.partial} & a.axes():
+        b = b.without_partial()
     partial.update(dict(a.partial or b.partial))
     taken = set(partial)
     bdim: tuple[Dim, Dim] | tuple = ()
