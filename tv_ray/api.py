@@ -61,7 +61,7 @@ def parallelize(graph: Graph, spec: str | ParallelSpec, *, model: str | ModelSpe
         model_spec = _spec(model, None, None)
         dims = {**model_spec.dims, **(dims or {})}
         layers = layers or model_spec.config.layers
-    return Plan.from_json(_parallelize(graph, spec, dict(dims or {}), name, layers=layers))
+    return _parallelize(graph, spec, dict(dims or {}), name, layers=layers)
 
 
 def _known(name: str) -> bool:

@@ -10,6 +10,7 @@ partial sum (or max) of the logical one.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
@@ -63,7 +64,8 @@ class Layout:
     def rank(self) -> int:
         return len(self.dims)
 
-    def logical_shape(self) -> tuple[Expr, ...]:
+    @functools.cached_property
+    def _shape(self) -> tuple[Expr, ...]:
         out = []
         for dim in self.dims:
             size = ONE
@@ -71,6 +73,9 @@ class Layout:
                 size = size * f.size
             out.append(size)
         return tuple(out)
+
+    def logical_shape(self) -> tuple[Expr, ...]:
+        return self._shape
 
     def local_shape(self, sizes: Mapping[str, int]) -> tuple[Expr, ...]:
         out = []

@@ -81,6 +81,7 @@ class Lowering:
         self.values: dict[str, Local] = {}
         self._cache: dict[tuple, Local] = {}
         self._count = 0
+        self._shapes: dict[Layout, tuple[Expr, ...]] = {}
         self.prefix = prefix
 
     # -- building blocks ---------------------------------------------------------------
@@ -93,7 +94,10 @@ class Lowering:
         return name
 
     def local_shape(self, layout: Layout) -> tuple[Expr, ...]:
-        return layout.local_shape(self.sizes)
+        shape = self._shapes.get(layout)
+        if shape is None:
+            shape = self._shapes[layout] = layout.local_shape(self.sizes)
+        return shape
 
     def copies(self, layout: Layout) -> int:
         return self.microbatches if MB in layout.axes() else 1
@@ -283,13 +287,17 @@ class Lowering:
         if node.op == Op.EMBEDDING_BACKWARD:
             attrs["num_weights"] = shape[0]
         names = []
+        first = Node.make(node.name, node.op, [a.name(0) for a in args], attrs, shape, node.dtype,
+                          dict(meta, realises=node.name))
         for m in range(n):
             name = f"{node.name}@{m}" if n > 1 else node.name
-            mmeta = dict(meta, realises=node.name, **({"mb": m} if n > 1 else {}))
-            self._emit(name, node.op, [a.name(m) for a in args], attrs, shape, node.dtype, mmeta)
+            # copies differ only in names and the microbatch: reuse the normalised attributes
+            mmeta = first.meta if n == 1 else tuple(sorted({**dict(first.meta), "mb": m}.items()))
+            self.nodes.append(Node(name, node.op, tuple(a.name(m) for a in args), first.attrs, first.shape,
+                                   node.dtype, mmeta))
             if dec.divide_by > 1:
                 name = self._emit(self._fresh(name), Op.DIV, [name], {"other": float(dec.divide_by)},
-                                  shape, node.dtype, mmeta)
+                                  shape, node.dtype, dict(mmeta))
             names.append(name)
         local = Local(out, tuple(names), node.dtype)
         if force is not None:

@@ -21,6 +21,8 @@ from tv_ray.parallel.pipeline import split_stages
 from tv_ray.parallel.rules import Env
 from tv_ray.parallel.spec import ParallelSpec
 from tv_ray.parallel.vocab import vocab_parallel_forms
+from tv_ray.plan import FORMAT, Lineage, Plan, RankMap
+from tv_ray.plan_check import check_plan
 
 # Megatron tensor parallelism: which dim of a parameter tp cuts (torch Linear weights are [out, in]).
 TP_RULES: tuple[tuple[str, int], ...] = (
@@ -147,12 +149,12 @@ def lineage_entry(tensor: str, logical: str, layout: Layout, where: Mapping[str,
 
 
 def parallelize(graph: Graph, spec: ParallelSpec | str, dims: Mapping[str, int], model: str = "model",
-                layers: int | None = None, schedule: str = "1f1b") -> dict:
-    """The plan (as its JSON object) that runs `graph` under `spec`.
+                layers: int | None = None, schedule: str = "1f1b") -> Plan:
+    """The plan that runs `graph` under `spec`, validated.
 
     Example::
 
-        plan = Plan.from_json(parallelize(graph, "dp=2,tp=2", spec.dims, "llama3-tiny"))
+        plan = parallelize(graph, "dp=2,tp=2", spec.dims, "llama3-tiny")
     """
     if isinstance(spec, str):
         spec = ParallelSpec.parse(spec)
@@ -176,15 +178,9 @@ def parallelize(graph: Graph, spec: ParallelSpec | str, dims: Mapping[str, int],
         lowering.output(name, value, recipe.output_layout(name))
     mesh = {a: getattr(spec, a) for a in MESH_ORDER if getattr(spec, a, 1) > 1} or {"dp": 1}
     programs, lineage = split_stages(lowering, graph, spec, mesh, layers)
-    return {
-        "format": "tv-ray-plan/1",
-        "model": model,
-        "dims": dict(dims),
-        "mesh": mesh,
-        "microbatches": spec.mb,
-        "schedule": schedule,
-        "logical": logical.to_json(),
-        "programs": {name: prog.to_json() for name, prog in programs.items()},
-        "ranks": {"program": "stage{pp}" if spec.pp > 1 else "main"},
-        "lineage": lineage,
-    }
+    plan = Plan(format=FORMAT, model=model, dims=dict(dims), mesh=tuple(mesh.items()), microbatches=spec.mb,
+                schedule=schedule, logical=logical, programs=programs,
+                ranks=RankMap("stage{pp}" if spec.pp > 1 else "main"),
+                lineage=tuple(Lineage.from_json(entry, f"lineage[{i}]") for i, entry in enumerate(lineage)))
+    check_plan(plan)
+    return plan
