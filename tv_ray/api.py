@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from tv_ray.errors import ParallelConfigError
+from tv_ray.errors import CaptureError, ParallelConfigError
 from tv_ray.frontend.capture import capture
 from tv_ray.frontend.optim import capture_step as _capture_step
 from tv_ray.ir.graph import Graph
@@ -32,16 +32,24 @@ def _spec(model: str | ModelSpec, dims: Mapping[str, int] | None, tied: bool | N
 
 
 def capture_step(model, inputs=None, *, optim: str = "sgd", clip: float | None = None, tied: bool | None = None,
-                 dims: Mapping[str, int] | None = None, **hyper) -> Graph:
+                 dims: Mapping[str, int] | None = None, int_highs: Mapping[str, int] | None = None,
+                 **hyper) -> Graph:
     """The logical graph of one training step (forward, loss, backward, optimizer update).
 
     `model` is a built-in name (``tv-ray models``), a `ModelSpec`, or any
-    ``torch.nn.Module`` whose ``forward(*inputs)`` returns the scalar loss.
+    ``torch.nn.Module`` whose ``forward(*inputs)`` returns the scalar loss; for
+    a module, `int_highs` gives each integer input's range ``[0, high)``
+    (token ids: the vocabulary size), e.g. ``{"tokens": 50257, "targets": 50257}``.
     """
     if isinstance(model, (str, ModelSpec)):
         model = _spec(model, dims, tied)
         tied = None
-    return _capture_step(model, inputs, optim=optim, clip=clip, tied=tied, **hyper)
+    graph = _capture_step(model, inputs, optim=optim, clip=clip, tied=tied, int_highs=int_highs, **hyper)
+    for spec in graph.inputs:
+        if spec.dtype == "int" and spec.high is None:
+            raise CaptureError(f"integer input {spec.name!r} needs its range: pass "
+                               f"int_highs={{{spec.name!r}: N}} (values lie in [0, N))")
+    return graph
 
 
 def parallelize(graph: Graph, spec: str | ParallelSpec, *, model: str | ModelSpec = "model",

@@ -7,21 +7,9 @@ from tv_ray.errors import CaptureError
 from tv_ray.frontend import AdamW, SGD, append_optimizer
 from tv_ray.semantics import run_graph
 
-from .captures import symbolic
+from .captures import real_module, symbolic
 
 TOL = 1e-9
-
-
-def _setup(spec, seed=1):
-    module = spec.build(device="cpu", dtype=torch.float64)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.3)
-    tokens, targets = spec.example_inputs(seed=seed)
-    inputs = {n: p.detach().numpy().copy() for n, p in module.named_parameters()}
-    inputs.update(tokens=tokens.numpy(), targets=targets.numpy())
-    return module, tokens, targets, inputs, gen
 
 
 @pytest.mark.parametrize("name, tied", [("llama3-tiny", False), ("llama3-tiny", True), ("gpt2-tiny", True),
@@ -31,7 +19,7 @@ def _setup(spec, seed=1):
 def test_step_matches_torch(name, tied, optimizer, clip):
     spec, logical = symbolic(name, tied)
     graph = append_optimizer(logical, optimizer, clip)
-    module, tokens, targets, inputs, gen = _setup(spec)
+    module, tokens, targets, inputs, gen = real_module(spec)
     if isinstance(optimizer, AdamW):
         opt = torch.optim.AdamW(module.parameters(), lr=optimizer.lr, betas=optimizer.betas, eps=optimizer.eps,
                                 weight_decay=optimizer.weight_decay)

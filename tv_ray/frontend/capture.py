@@ -5,9 +5,16 @@ fitted into one graph whose shapes are expressions over the named dims (see
 `fit`); a plain module with fixed inputs is captured once, with constant
 shapes. Names follow docs/plan-format.md: inputs ``tokens``, ``targets`` (data)
 and parameters by module path; outputs ``loss`` and ``grad/<param>``.
+
+A model deeper than 4 layers is captured at 2, 3 and 4 layers and its layer
+block repeated (`layers`). Probe captures are kept for the process, keyed by
+the module factory and the config at the probe dims, so models that differ
+only in their full dims or depth (llama3-8b / 70b / 405b) share them.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Mapping, Sequence
 
 import torch
@@ -16,6 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from tv_ray.errors import CaptureError
 from tv_ray.frontend.aten import Converter
 from tv_ray.frontend.fit import fit_graphs
+from tv_ray.frontend.layers import PROBE_LAYERS, extrapolate as extrapolate_layers
 from tv_ray.frontend.trace import fake_inputs, trace_joint
 from tv_ray.ir import Graph
 from tv_ray.models.spec import ModelSpec
@@ -38,8 +46,29 @@ def capture_spec_at(spec: ModelSpec, dims: Mapping[str, int]) -> Graph:
                             int_highs={"tokens": dims["vocab"], "targets": dims["vocab"]}, mode=mode)
 
 
+@functools.lru_cache(maxsize=None)
+def _probe_capture(make_module, config, table: tuple[tuple[str, int], ...]) -> Graph:
+    return capture_spec_at(ModelSpec("probe", config, make_module), dict(table))
+
+
+def probe_capture(spec: ModelSpec, table: Mapping[str, int]) -> Graph:
+    """`capture_spec_at`, kept for the process: the graph depends only on the module factory and the config."""
+    config = dataclasses.replace(spec.config, **table)
+    try:
+        hash((spec.make_module, config))
+    except TypeError:    # an unhashable (mutable) config is traced afresh
+        return capture_spec_at(spec, table)
+    return _probe_capture(spec.make_module, config, tuple(sorted(table.items())))
+
+
+def capture_symbolic(spec: ModelSpec) -> Graph:
+    """A built-in model's step traced at its probe dims, every layer, and fitted over the named dims."""
+    tables = spec.probe_dims()
+    return fit_graphs([probe_capture(spec, t) for t in tables], tables, at=spec.dims)
+
+
 def capture(model: ModelSpec | torch.nn.Module, inputs: Sequence[torch.Tensor] | None = None, *,
-            int_highs: Mapping[str, int] | None = None) -> Graph:
+            int_highs: Mapping[str, int] | None = None, extrapolate: bool = True) -> Graph:
     """The logical graph of one training step (no optimizer; see `capture_step`).
 
     Example::
@@ -49,15 +78,21 @@ def capture(model: ModelSpec | torch.nn.Module, inputs: Sequence[torch.Tensor] |
         graph = capture(my_module, (tokens, targets))           # constant shapes
 
     A `ModelSpec` is captured at its probe dims and fitted; dims-dependent
-    float constants are evaluated at the spec's dims. A module needs `inputs`
-    and its forward must return the scalar loss.
+    float constants are evaluated at the spec's dims. With more than 4
+    layers it is captured at 2, 3 and 4 layers and its layer block repeated,
+    after checking that the block repeated to 4 layers is the 4-layer capture
+    (a CaptureError if not); ``extrapolate=False`` traces every layer. A
+    module needs `inputs` and its forward must return the scalar loss.
     """
     if isinstance(model, ModelSpec):
         if inputs is not None:
             raise CaptureError(f"capture({model.name}): a ModelSpec makes its own inputs; pass "
                                f"spec.build(...) and inputs to capture a module at fixed inputs")
-        tables = model.probe_dims()
-        return fit_graphs([capture_spec_at(model, t) for t in tables], tables, at=model.dims)
+        layers = getattr(model.config, "layers", None)
+        if extrapolate and isinstance(layers, int) and layers > max(PROBE_LAYERS):
+            probes = {k: capture_symbolic(model.with_dims(layers=k)) for k in PROBE_LAYERS}
+            return extrapolate_layers(probes, layers, model.name)
+        return capture_symbolic(model)
     if isinstance(model, torch.nn.Module):
         if inputs is None:
             raise CaptureError(f"capture({type(model).__name__}): a plain module needs its inputs, "

@@ -154,7 +154,7 @@ def append_optimizer(graph: Graph, optimizer: SGD | AdamW, clip: float | None = 
 
 def capture_step(model: ModelSpec | torch.nn.Module, inputs: Sequence[torch.Tensor] | None = None, *,
                  optim: str | SGD | AdamW = "sgd", clip: float | None = None, tied: bool | None = None,
-                 **hyper) -> Graph:
+                 extrapolate: bool = True, int_highs: Mapping[str, int] | None = None, **hyper) -> Graph:
     """The full training step: forward, loss, backward and the optimizer update.
 
     Example::
@@ -164,7 +164,8 @@ def capture_step(model: ModelSpec | torch.nn.Module, inputs: Sequence[torch.Tens
 
     `optim` is ``"sgd"`` / ``"adamw"`` (hyper-parameters as keywords: lr,
     betas, eps, weight_decay) or an `SGD` / `AdamW` instance; `clip` is the
-    max global gradient norm; `tied` overrides a spec's tied embeddings.
+    max global gradient norm; `tied` overrides a spec's tied embeddings;
+    `extrapolate` is `capture`'s (repeat the layer block of a deep model).
     """
     if isinstance(optim, str):
         if optim not in _BY_NAME:
@@ -179,4 +180,4 @@ def capture_step(model: ModelSpec | torch.nn.Module, inputs: Sequence[torch.Tens
         if not isinstance(model, ModelSpec):
             raise CaptureError("tied= applies to a ModelSpec; a module is captured as built")
         model = model.with_dims(tied=tied)
-    return append_optimizer(capture(model, inputs), optim, clip)
+    return append_optimizer(capture(model, inputs, extrapolate=extrapolate, int_highs=int_highs), optim, clip)
