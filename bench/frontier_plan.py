@@ -2,7 +2,7 @@
 
     python bench/frontier_plan.py [--model llama3-405b] [--parallel dp=64,tp=8,pp=16,mb=16] [--out DIR]
 
-Writes bench/results/frontier_plan.json with the phase times (capture,
+Writes bench/results/frontier_plan-MODEL.json with the phase times (capture,
 parallelize, save), peak RSS and the plan file size.
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ def main() -> None:
         "file_mib": round(os.path.getsize(path) / 2**20, 1),
     }
     os.makedirs("bench/results", exist_ok=True)
-    with open("bench/results/frontier_plan.json", "w") as f:
+    with open(f"bench/results/frontier_plan-{args.model}.json", "w") as f:
         json.dump(result, f, indent=2)
     print(json.dumps(result))
 

@@ -18,7 +18,7 @@ from tv_ray.errors import PlanError, TvRayError
 from tv_ray.ir import Expr, Graph
 from tv_ray.ir.lint import lint
 from tv_ray.ir.ops import ATTRS, COMMUNICATION, RANK_DEPENDENT
-from tv_ray.plan import Fixed, Lineage, Plan
+from tv_ray.plan import Fixed, Lineage, Plan, gc_paused
 from tv_ray.semantics import Context
 
 # Ops that name mesh axes; none of them may appear in the logical graph.
@@ -49,13 +49,18 @@ class _Sizes:
 
 
 def check_plan(plan: Plan, dims: dict[str, int] | None = None) -> None:
-    """Validate `plan` (at `dims`, default the plan's own); raises PlanError naming the JSON path."""
+    """Validate `plan` (at `dims`, default the plan's own); raises PlanError naming the JSON path.
+
+    Works alike on a loaded plan and on one constructed from `Graph` objects
+    (``check_plan(Plan(format=FORMAT, model=..., ...))``, see `tv_ray.plan`).
+    """
     sizes = _Sizes(dict(plan.dims) if dims is None else dict(dims))
-    _check_graph(plan, plan.logical, "logical", sizes, logical=True)
-    for name, program in plan.programs.items():
-        _check_graph(plan, program, f"programs.{name}", sizes, logical=False)
-    plan.rank_programs()   # every rank runs a program that exists
-    _LineageCheck(plan, sizes).run()
+    with gc_paused():
+        _check_graph(plan, plan.logical, "logical", sizes, logical=True)
+        for name, program in plan.programs.items():
+            _check_graph(plan, program, f"programs.{name}", sizes, logical=False)
+        plan.rank_programs()   # every rank runs a program that exists
+        _LineageCheck(plan, sizes).run()
 
 
 # -- graphs -----------------------------------------------------------------------------------

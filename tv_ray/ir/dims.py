@@ -33,7 +33,7 @@ _INTERNED: dict[tuple, "Expr"] = {}
 class Expr:
     """An immutable polynomial with rational coefficients over dimension names."""
 
-    __slots__ = ("terms", "_hash", "_text")
+    __slots__ = ("terms", "_hash", "_text", "_const", "_json")
 
     def __new__(cls, terms: Mapping[Monomial, Fraction] | None = None) -> "Expr":
         clean = tuple(sorted((m, Fraction(c)) for m, c in (terms or {}).items() if c != 0))
@@ -46,6 +46,8 @@ class Expr:
         constant = all(m == () for m, _ in clean)
         object.__setattr__(self, "_hash", hash(clean[0][1] if clean else 0) if constant else hash(clean))
         object.__setattr__(self, "_text", None)
+        object.__setattr__(self, "_const", constant)   # read per dim by lint and to_json
+        object.__setattr__(self, "_json", None)
         _INTERNED[clean] = self
         return self
 
@@ -82,7 +84,7 @@ class Expr:
     # -- queries ------------------------------------------------------------
     @property
     def is_const(self) -> bool:
-        return all(m == () for m, _ in self.terms)
+        return self._const
 
     @property
     def free_dims(self) -> frozenset[str]:
@@ -197,7 +199,9 @@ class Expr:
 
     def to_json(self) -> int | str:
         """An int for constants, otherwise the expression's text."""
-        return self.const_value() if self.is_const and self._is_int() else str(self)
+        if self._json is None:   # cached: a plan writes the same few hundred expressions ~10^6 times
+            object.__setattr__(self, "_json", self.const_value() if self._const and self._is_int() else str(self))
+        return self._json
 
     def _is_int(self) -> bool:
         return not self.terms or self.terms[0][1].denominator == 1

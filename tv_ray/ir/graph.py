@@ -38,8 +38,94 @@ def _float_to_json(value: float) -> float | str:
     return str(value) if math.isinf(value) or math.isnan(value) else value
 
 
+# -- fast decoding ---------------------------------------------------------------------
+# A plan repeats a few hundred shapes and attribute values across ~10^6 ops, and JSON
+# gives every occurrence a fresh object, so values are decoded by table lookup. Only
+# exact ints and strs are used as keys: True == 1 == 1.0 would otherwise let a bool
+# or a float share an int's entry and skip its error. A value the fast path does not
+# recognise returns _MISS and goes through `decode_attr`, which owns the error messages.
+_MISS = object()
+_KEY_TYPES = frozenset({int, str})
+_EXPR_CACHE: dict[int | str, Expr] = {}
+_EXPRS_CACHE: dict[tuple, tuple[Expr, ...]] = {}
+_CACHE_LIMIT = 1 << 16   # distinct values kept; a plan has hundreds, so this only bounds odd inputs
+
+
+def _fast_expr(value: Any) -> Any:
+    if type(value) is not int and type(value) is not str:
+        return _MISS
+    expr = _EXPR_CACHE.get(value)
+    if expr is None:
+        try:
+            expr = Expr.of(value)
+        except TvRayError:
+            return _MISS
+        if len(_EXPR_CACHE) >= _CACHE_LIMIT:
+            _EXPR_CACHE.clear()
+        _EXPR_CACHE[value] = expr
+    return expr
+
+
+def _fast_exprs(value: Any) -> Any:
+    if type(value) is not list:
+        return _MISS
+    key = tuple(value)
+    if not set(map(type, key)) <= _KEY_TYPES:
+        return _MISS
+    exprs = _EXPRS_CACHE.get(key)
+    if exprs is None:
+        exprs = tuple(_fast_expr(v) for v in key)
+        if _MISS in exprs:
+            return _MISS
+        if len(_EXPRS_CACHE) >= _CACHE_LIMIT:
+            _EXPRS_CACHE.clear()
+        _EXPRS_CACHE[key] = exprs   # equal shapes also share one tuple in memory
+    return exprs
+
+
+def _fast_int(value: Any) -> Any:
+    return value if type(value) is int else _MISS
+
+
+def _fast_float(value: Any) -> Any:
+    kind = type(value)
+    return value if kind is float else float(value) if kind is int else _MISS
+
+
+def _fast_bool(value: Any) -> Any:
+    return value if type(value) is bool else _MISS
+
+
+def _fast_str(value: Any) -> Any:
+    return value if type(value) is str else _MISS
+
+
+def _fast_ints(value: Any) -> Any:
+    if type(value) is not list:
+        return _MISS
+    key = tuple(value)
+    return key if not key or set(map(type, key)) == {int} else _MISS
+
+
+def _fast_axes(value: Any) -> Any:
+    if type(value) is not list or not value:
+        return _MISS
+    key = tuple(value)
+    return key if set(map(type, key)) == {str} else _MISS
+
+
+_FAST_DECODE = {"int": _fast_int, "float": _fast_float, "bool": _fast_bool, "str": _fast_str,
+                "expr": _fast_expr, "exprs": _fast_exprs, "ints": _fast_ints, "axes": _fast_axes,
+                "peer": lambda value: _MISS}
+
+
 def decode_attr(kind: str, value: Any, where: str, cls=GraphError) -> Any:
     """Turn a JSON attribute value into its in-memory form, checking its kind."""
+    fast = _FAST_DECODE.get(kind)
+    if fast is not None:
+        decoded = fast(value)
+        if decoded is not _MISS:
+            return decoded
     try:
         if kind == "int":
             if isinstance(value, int) and not isinstance(value, bool):
@@ -198,9 +284,9 @@ class Node:
                     tuple(sorted(merged.items())))
 
     def to_json(self) -> dict:
-        schema = ATTRS.get(self.op, {})
-        out: dict[str, Any] = {"out": self.name, "op": self.op.value, "args": list(self.args)}
+        out: dict[str, Any] = {"out": self.name, "op": self.op._value_, "args": list(self.args)}
         if self.attrs:
+            schema = ATTRS[self.op]
             out["attrs"] = {k: encode_attr(schema[k][0], v) for k, v in self.attrs}
         out["shape"] = [d.to_json() for d in self.shape]
         if self.dtype != "float":
@@ -211,6 +297,12 @@ class Node:
 
     @staticmethod
     def from_json(obj: Any, path: str, cls=GraphError) -> "Node":
+        node = _node_fast(obj)
+        return node if node is not None else Node._from_json_checked(obj, path, cls)
+
+    @staticmethod
+    def _from_json_checked(obj: Any, path: str, cls=GraphError) -> "Node":
+        """The reference decoder: every check in order, each naming its JSON path."""
         if not isinstance(obj, dict):
             raise _error(cls, path, f"expected an op object, got {type(obj).__name__}")
         unknown = set(obj) - {"out", "op", "args", "attrs", "shape", "dtype", "meta"}
@@ -257,6 +349,62 @@ class Node:
             raise _error(cls, f"{path}.meta", "expected an object")
         return Node(name, op, tuple(args), tuple(sorted(attrs)), shape, dtype,
                     tuple(sorted((k, v if not isinstance(v, list) else tuple(v)) for k, v in meta.items())))
+
+
+_NODE_FIELDS = frozenset({"out", "op", "args", "attrs", "shape", "dtype", "meta"})
+_OP_OF_NAME = {op.value: op for op in Op}
+_REQUIRED = {op: frozenset(k for k, (_, required) in ATTRS.get(op, {}).items() if required) for op in Op}
+_KIND = {op: {k: _FAST_DECODE[kind] for k, (kind, _) in ATTRS.get(op, {}).items()} for op in Op}
+_DTYPE_SET = frozenset(DTYPES)
+_META_SCALARS = frozenset({str, int, float, bool, type(None)})   # stored as they are (lists become tuples)
+_EMPTY: dict = {}
+
+
+def _node_fast(obj: Any) -> Node | None:
+    """`Node.from_json` for a well-formed op object, or None to take the checked path.
+
+    Accepts exactly what the checked path accepts (or defers to it) and builds the same
+    Node; it only replaces per-field isinstance ladders with type tests and lookups.
+    """
+    if type(obj) is not dict or not obj.keys() <= _NODE_FIELDS:
+        return None
+    name, opname, args = obj.get("out"), obj.get("op"), obj.get("args", [])
+    if type(name) is not str or not name or type(opname) is not str or type(args) is not list:
+        return None
+    op = _OP_OF_NAME.get(opname)
+    if op is None:
+        return None
+    args = tuple(args)
+    if args and set(map(type, args)) != {str}:
+        return None
+    arity = ARITY[op]
+    if (not args) if arity is None else (len(args) not in arity):
+        return None
+    raw_attrs = obj.get("attrs", _EMPTY)
+    if type(raw_attrs) is not dict or not _REQUIRED[op] <= raw_attrs.keys():
+        return None
+    attrs: tuple = ()
+    if raw_attrs:
+        decoders = _KIND[op]
+        pairs = []
+        for key, value in raw_attrs.items():
+            decode = decoders.get(key)
+            if decode is None:
+                return None
+            value = decode(value)
+            if value is _MISS:
+                return None
+            pairs.append((key, value))
+        pairs.sort()
+        attrs = tuple(pairs)
+    shape = _fast_exprs(obj.get("shape"))
+    dtype = obj.get("dtype", "float")
+    if shape is _MISS or type(dtype) is not str or dtype not in _DTYPE_SET:
+        return None
+    meta = obj.get("meta", _EMPTY)
+    if type(meta) is not dict or not set(map(type, meta.values())) <= _META_SCALARS:
+        return None
+    return Node(name, op, args, attrs, shape, dtype, tuple(sorted(meta.items())))
 
 
 @dataclass(frozen=True)
@@ -342,7 +490,8 @@ class Graph:
         if not isinstance(obj["outputs"], dict) or not all(isinstance(v, str) for v in obj["outputs"].values()):
             raise _error(cls, f"{path}.outputs", "expected an object mapping output names to tensor names")
         inputs = tuple(TensorSpec.from_json(o, f"{path}.inputs[{i}]", cls) for i, o in enumerate(obj["inputs"]))
-        nodes = tuple(Node.from_json(o, f"{path}.ops[{i}]", cls) for i, o in enumerate(obj["ops"]))
+        nodes = tuple(_node_fast(o) or Node._from_json_checked(o, f"{path}.ops[{i}]", cls)
+                      for i, o in enumerate(obj["ops"]))
         graph = Graph(inputs, nodes, tuple(obj["outputs"].items()), name)
         check_names(graph, path, cls)
         return graph
@@ -361,11 +510,12 @@ def check_names(graph: Graph, path: str = "", cls=GraphError) -> None:
             raise _error(cls, f"{path}.inputs[{i}].name", f"input {spec.name!r} is declared twice")
         defined.add(spec.name)
     for i, node in enumerate(graph.nodes):
-        for arg in node.args:
-            if arg not in defined:
-                raise _error(cls, f"{path}.ops[{i}].args",
-                             f"{node.name} = {node.op}(...) reads {arg!r}, which is not an input "
-                             f"nor the result of an earlier op")
+        if not defined.issuperset(node.args):   # one set test per node; the loop only names the culprit
+            for arg in node.args:
+                if arg not in defined:
+                    raise _error(cls, f"{path}.ops[{i}].args",
+                                 f"{node.name} = {node.op}(...) reads {arg!r}, which is not an input "
+                                 f"nor the result of an earlier op")
         if node.name in defined:
             raise _error(cls, f"{path}.ops[{i}].out", f"{node.name!r} is defined twice (SSA: one definition per name)")
         defined.add(node.name)
