@@ -7,6 +7,7 @@ import json
 import pytest
 
 import tv_ray
+import tv_ray.models
 from tv_ray.errors import ParallelConfigError
 from tv_ray.plan import Plan
 from tv_ray.simulate import simulate
@@ -160,3 +161,12 @@ def test_tv_ray_run_exits_1_naming_the_deviating_outputs(llama_sgd, tmp_path, ca
     out, err = capsys.readouterr()
     assert json.loads(out)["deviating"] == ["grad/lm_head.weight", "new/lm_head.weight"]
     assert err.startswith("tv-ray run: outputs deviate beyond 1e-09: grad/lm_head.weight (")
+
+
+@pytest.mark.parametrize("spec,flags", [("pp=4,mb=4", {}), ("pp=4,mb=8", {}), ("pp=4,dp=2,tp=2,mb=2", {"sp": True})])
+def test_deeper_pipelines_run_1f1b_without_deadlock(spec, flags):
+    model = tv_ray.models.get("llama3-tiny").with_dims(layers=4, tied=True)
+    graph = tv_ray.capture_step(model, optim="adamw", clip=1.0)
+    plan = tv_ray.parallelize(graph, spec, model=model, **flags)
+    assert sorted(plan.programs) == ["stage0", "stage1", "stage2", "stage3"]
+    assert _worst(plan, seed=5) == {}

@@ -109,117 +109,94 @@ class Stager:
 
     def build(self, lowering: Lowering):
         stage, phase = self.assign()
-        prog = self.program
-        last = self.pp - 1
-        outputs = prog.output_map
-        # where each output lives: its producer's stage; new/X also on every stage holding X
-        producers = {n.name: n for n in prog.nodes}
-        needs: dict[int, set[str]] = {s: set() for s in range(self.pp)}   # values each stage must hold
-        out_stages: dict[str, list[int]] = {}
-        for out, value in outputs.items():
-            home = stage.get(value)
-            home = last if home is None and out == "loss" else (0 if home is None else home)
-            stages = {home}
-            out_stages[out] = sorted(stages)
-            for s in stages:
-                needs[s].add(value)
-        # every op on its stage; floating ops on each stage that needs them
-        members: dict[int, list[str]] = {s: [] for s in range(self.pp)}
-        for node in prog.nodes:
-            if stage[node.name] is not None:
-                needs[stage[node.name]].add(node.name)
+        producers = {n.name: n for n in self.program.nodes}
+        members = self._members(stage, producers)
+        out_stages = self._output_stages(stage, members, producers)
+        # one tagged message per (value, destination stage); program inputs come from lineage, never sent
+        tags: dict[tuple[str, int], int] = {}
         for s in range(self.pp):
-            closure = set()
-            todo = list(needs[s])
+            for name in members[s]:
+                for a in producers[name].args:
+                    if a in producers and stage[a] not in (None, s):
+                        tags.setdefault((a, s), len(tags))
+            for out, value in self.program.outputs:
+                if s in out_stages[out] and value in producers and stage[value] not in (None, s):
+                    tags.setdefault((value, s), len(tags))
+        programs, lineage = {}, []
+        for s in range(self.pp):
+            program = self._program(s, stage, phase, members[s], out_stages, producers, tags)
+            programs[program.name] = program
+            lineage += _lineage(lowering, self.logical, {"pp": s}, {i.name for i in program.inputs},
+                                set(program.output_map))
+        return programs, lineage
+
+    def _members(self, stage, producers) -> dict[int, list[str]]:
+        """The ops each stage runs: its own, plus the floating ops they (transitively) read."""
+        members = {}
+        for s in range(self.pp):
+            todo = [n for n, st in stage.items() if st == s and n in producers]
+            todo += [v for out, v in self.program.outputs if self._home(out, v, stage) == s]
+            closure: set[str] = set()
             while todo:
                 v = todo.pop()
                 if v in closure or v not in producers:
                     continue
                 closure.add(v)
-                for a in producers[v].args:
-                    if stage.get(a) is None or stage[a] == s:
-                        todo.append(a)
-            members[s] = [n.name for n in prog.nodes if n.name in closure and
-                          (stage[n.name] is None or stage[n.name] == s)]
-        # parameters updated here but held elsewhere too: send the new value (tied weights)
-        inputs_by_stage: dict[int, set[str]] = {s: set() for s in range(self.pp)}
-        for s in range(self.pp):
-            for name in members[s]:
-                inputs_by_stage[s].update(a for a in producers[name].args if a not in producers)
-        for out, value in outputs.items():
-            if out.startswith("new/") and out[4:] in {i.name for i in prog.inputs}:
-                for s in range(self.pp):
-                    if out[4:] in inputs_by_stage[s] and s not in out_stages[out]:
-                        out_stages[out].append(s)
-        return self._emit(stage, phase, members, out_stages, lowering)
+                todo += [a for a in producers[v].args if stage.get(a) in (None, s)]
+            members[s] = [n.name for n in self.program.nodes if n.name in closure]
+        return members
 
-    def _emit(self, stage, phase, members, out_stages, lowering):
-        prog = self.program
-        producers = {n.name: n for n in prog.nodes}
-        specs = {s.name: s for s in prog.inputs}
-        tags: dict[tuple[str, int], int] = {}
-        sends: dict[int, list[tuple[str, int]]] = {s: [] for s in range(self.pp)}   # (value, dst)
-        home = {name: stage[name] for name in producers}
+    def _home(self, out: str, value: str, stage) -> int:
+        home = stage.get(value)
+        if home is None:
+            return self.pp - 1 if out == "loss" else 0
+        return home
 
-        def source(value: str, dst: int) -> int | None:
-            s = home.get(value)
-            return None if s is None or s == dst else s
+    def _output_stages(self, stage, members, producers) -> dict[str, list[int]]:
+        """Each output on its producer's stage; an updated parameter also on every stage that reads it."""
+        reads = {s: {a for n in members[s] for a in producers[n].args if a not in producers} for s in range(self.pp)}
+        inputs = {spec.name for spec in self.program.inputs}
+        out_stages = {}
+        for out, value in self.program.outputs:
+            stages = {self._home(out, value, stage)}
+            if out.startswith("new/") and out[4:] in inputs:
+                stages |= {s for s in range(self.pp) if out[4:] in reads[s]}
+            out_stages[out] = sorted(stages)
+        return out_stages
 
-        programs, lineage = {}, []
-        plans = members
-        for s in range(self.pp):
-            for out, v in prog.outputs:      # outputs held here but made elsewhere (updated tied weights)
-                if s in out_stages[out] and v in producers and home.get(v) not in (None, s):
-                    tags.setdefault((v, s), len(tags))
-        for s in range(self.pp):
-            for name in plans[s]:
-                for a in producers[name].args:
-                    src = source(a, s)
-                    if src is not None:
-                        tags.setdefault((a, s), len(tags))
-        for (value, dst) in tags:
-            sends[home[value]].append((value, dst))
-        for s in range(self.pp):
-            nodes: list[Node] = []
-            member = set(plans[s])
-            recvd: dict[str, str] = {}
-            order = self._order(s, plans[s], phase, producers)
-            send_after: dict[str, list[int]] = {}
-            for value, dst in sends[s]:
-                send_after.setdefault(value, []).append(dst)
+    def _program(self, s, stage, phase, members, out_stages, producers, tags) -> Graph:
+        """Stage `s`'s ops in 1F1B order, a recv before a remote value's first use, a send after each value made."""
+        nodes: list[Node] = []
+        recvd: dict[str, str] = {}
+        sends: dict[str, list[int]] = {}
+        for value, dst in tags:
+            if stage[value] == s:
+                sends.setdefault(value, []).append(dst)
 
-            def received(value: str, src: int) -> str:
-                """The local name of `value` made on stage `src`: one recv per value, before its first use."""
-                if value not in recvd:
-                    recvd[value] = f"{value}<{src}"
-                    p = producers[value]
-                    nodes.append(Node.make(recvd[value], Op.RECV, [], {"peer": {"pp": src - s}, "size": p.shape,
-                                                                       "dtype": p.dtype, "tag": tags[(value, s)]},
-                                           p.shape, p.dtype, dict(p.meta)))
-                return recvd[value]
+        def local(value: str) -> str:
+            src = stage[value] if value in producers else None      # inputs are on every stage that reads them
+            if src in (None, s):
+                return value
+            if value not in recvd:
+                recvd[value] = f"{value}<{src}"
+                p = producers[value]
+                nodes.append(Node.make(recvd[value], Op.RECV, [], {"peer": {"pp": src - s}, "size": p.shape,
+                                                                   "dtype": p.dtype, "tag": tags[(value, s)]},
+                                       p.shape, p.dtype, dict(p.meta)))
+            return recvd[value]
 
-            for name in order:
-                node = producers[name]
-                args = [a if source(a, s) is None else received(a, source(a, s)) for a in node.args]
-                nodes.append(Node(node.name, node.op, tuple(args), node.attrs, node.shape, node.dtype, node.meta))
-                for dst in send_after.get(name, []):
-                    nodes.append(Node.make(f"{name}>{dst}", Op.SEND, [name], {"peer": {"pp": dst - s},
-                                                                              "tag": tags[(name, dst)]},
-                                           (), "token", dict(node.meta)))
-            outs = {}
-            for out, value in prog.outputs:
-                if s not in out_stages[out]:
-                    continue
-                if value in member or value in specs:
-                    outs[out] = value
-                else:
-                    outs[out] = received(value, home[value])
-            used = {a for n in nodes for a in n.args} | set(outs.values())
-            inputs = tuple(spec for spec in prog.inputs if spec.name in used)
-            name = f"stage{s}"
-            programs[name] = Graph(inputs, tuple(nodes), tuple(outs.items()), name)
-            lineage += _lineage(lowering, self.logical, {"pp": s}, {i.name for i in inputs}, set(outs))
-        return programs, lineage
+        for name in self._order(s, members, phase, producers):
+            node = producers[name]
+            nodes.append(Node(node.name, node.op, tuple(local(a) for a in node.args), node.attrs, node.shape,
+                              node.dtype, node.meta))
+            for dst in sends.get(name, []):
+                nodes.append(Node.make(f"{name}>{dst}", Op.SEND, [name], {"peer": {"pp": dst - s},
+                                                                          "tag": tags[(name, dst)]},
+                                       (), "token", dict(node.meta)))
+        outs = {out: local(value) for out, value in self.program.outputs if s in out_stages[out]}
+        used = {a for n in nodes for a in n.args} | set(outs.values())
+        inputs = tuple(spec for spec in self.program.inputs if spec.name in used)
+        return Graph(inputs, tuple(nodes), tuple(outs.items()), f"stage{s}")
 
     def _order(self, s: int, names: list[str], phase, producers) -> list[str]:
         """1F1B: warm-up forwards, then one forward one backward, then cool-down backwards."""
@@ -232,12 +209,16 @@ class Stager:
         member = set(names)
         index = {n: i for i, n in enumerate(names)}
         prio: dict[str, int] = {}
+        data = {spec.name for spec in self.program.inputs if spec.role == "data"}
         for n in names:
             node = producers[n]
             mb = node.get_meta("mb")
             kind = phase[n]
             base = [prio[a] for a in node.args if a in prio]
-            if kind == "optim":
+            if all(a in data for a in node.args):
+                data.add(n)
+                prio[n] = 0     # data-only work (token counts for the global loss scale) first: no unit waits on it
+            elif kind == "optim":
                 prio[n] = len(units) + 1
             elif mb is not None and (kind, mb) in rank:
                 prio[n] = max([rank[(kind, mb)]] + base)

@@ -21,7 +21,7 @@ from tv_ray.parallel.pipeline import split_stages
 from tv_ray.parallel.rules import Env
 from tv_ray.parallel.spec import ParallelSpec
 from tv_ray.parallel.vocab import vocab_parallel_forms
-from tv_ray.plan import FORMAT, Lineage, Plan, RankMap
+from tv_ray.plan import FORMAT, Lineage, Plan, RankMap, gc_paused
 from tv_ray.plan_check import check_plan
 
 # Megatron tensor parallelism: which dim of a parameter tp cuts (torch Linear weights are [out, in]).
@@ -159,6 +159,12 @@ def parallelize(graph: Graph, spec: ParallelSpec | str, dims: Mapping[str, int],
     if isinstance(spec, str):
         spec = ParallelSpec.parse(spec)
     spec.check_model(dims, layers)
+    with gc_paused():       # millions of small immutable objects: the cyclic GC only costs time here
+        return _build(graph, spec, dims, model, layers, schedule)
+
+
+def _build(graph: Graph, spec: ParallelSpec, dims: Mapping[str, int], model: str, layers: int | None,
+           schedule: str) -> Plan:
     logical = graph
     graph = prepare(graph)
     if spec.tp > 1:
