@@ -17,7 +17,7 @@ from tv_ray.errors import ParallelConfigError
 from tv_ray.ir.dims import Expr
 from tv_ray.ir.graph import Graph, Node, TensorSpec
 from tv_ray.ir.ops import Op
-from tv_ray.parallel.layout import ONE, Factor, Layout, axis_product, canonical, check_divides
+from tv_ray.parallel.layout import Factor, Layout, axis_product, canonical, check_divides
 from tv_ray.parallel.rules import Env, decide
 
 MB = "mb"
@@ -70,7 +70,7 @@ def refine(a: tuple[Factor, ...], b: tuple[Factor, ...], dims: Mapping[str, int]
 class Lowering:
     """Builds one program: call `input`, then `node` for each logical node, then `output`."""
 
-    def __init__(self, sizes: Mapping[str, int], dims: Mapping[str, int], prefix: str = ""):
+    def __init__(self, sizes: Mapping[str, int], dims: Mapping[str, int]):
         self.sizes = dict(sizes)
         self.dims = dims
         self.microbatches = self.sizes.get(MB, 1)
@@ -82,7 +82,6 @@ class Lowering:
         self._cache: dict[tuple, Local] = {}
         self._count = 0
         self._shapes: dict[Layout, tuple[Expr, ...]] = {}
-        self.prefix = prefix
 
     # -- building blocks ---------------------------------------------------------------
     def _fresh(self, base: str) -> str:
@@ -223,7 +222,7 @@ class Lowering:
         new_factors = factors[:i] + (Factor(f.size, new_axes),) + factors[i + 1:]
         out = Layout(v.layout.dims[:d] + (new_factors,) + v.layout.dims[d + 1:], v.layout.partial)
         multi = len(factors) > 1 and i > 0
-        local_in, local_out = self.local_shape(v.layout), self.local_shape(out)
+        local_out = self.local_shape(out)
 
         def split_dims(layout: Layout) -> list[Expr]:
             shape = list(self.local_shape(layout))
@@ -258,7 +257,6 @@ class Lowering:
         if not gather:
             check_divides(f.size, axis_product(new_axes, self.sizes), self.dims,
                           f"cutting {v.names[0]} dim {d} by {'.'.join(new_axes)}")
-        del local_in
         return Local(out, around(v.names, body), v.dtype)
 
     # -- nodes ------------------------------------------------------------------------------

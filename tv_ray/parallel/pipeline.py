@@ -17,8 +17,9 @@ import re
 from typing import Mapping
 
 from tv_ray.errors import ParallelConfigError
-from tv_ray.ir.graph import Graph, Node, TensorSpec
+from tv_ray.ir.graph import Graph, Node
 from tv_ray.ir.ops import Op
+from tv_ray.parallel.lineage import lineage_entry
 from tv_ray.parallel.lower import Lowering
 from tv_ray.parallel.spec import ParallelSpec
 
@@ -27,7 +28,6 @@ LAYER = re.compile(r"^layers\.(\d+)\.")
 
 def _lineage(lowering: Lowering, graph: Graph, where: Mapping[str, int], inputs: set[str],
              outputs: set[str]) -> list[dict]:
-    from tv_ray.parallel.recipe import lineage_entry
     entries = []
     micro = lowering.microbatches
     for spec in graph.inputs:
@@ -242,5 +242,3 @@ class Stager:
                     heapq.heappush(ready, (prio[u], index[u], u))
         return out
 
-
-__all__ = ["split_stages", "TensorSpec"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 from typing import Mapping
 
-from tv_ray.errors import ParallelConfigError
 from tv_ray.ir.dims import Expr
 from tv_ray.ir.graph import Graph, Node, TensorSpec
 from tv_ray.ir.ops import Op
@@ -123,29 +122,6 @@ class Recipe:
                 if node.op == Op.EMBEDDING and len(node.shape) == 3:
                     force[node.name] = _cut(node.shape, {0: self.dp + self.mb, 1: self.tp})
         return force
-
-
-def lineage_entry(tensor: str, logical: str, layout: Layout, where: Mapping[str, int], mb_index: int | None,
-                  microbatches: int) -> dict:
-    entry: dict = {"where": dict(where), "tensor": tensor, "logical": logical}
-    slices = []
-    for d, dim in enumerate(layout.dims):
-        cut = [f for f in dim if f.axes]
-        if not cut:
-            continue
-        if dim[0].axes != cut[0].axes or len(cut) > 1:
-            raise ParallelConfigError(f"boundary tensor {tensor} has a strided layout {layout}; "
-                                      f"lineage needs contiguous slices")
-        split = [a if a != MB else {"index": mb_index, "of": microbatches} for a in dim[0].axes]
-        slices.append({"dim": d, "split": split})
-    if slices:
-        entry["slice"] = slices
-    partial = [a for a, kind in layout.partial if a != MB]
-    if any(kind != "sum" for _, kind in layout.partial):
-        raise ParallelConfigError(f"boundary tensor {tensor} is a partial max; reduce it first")
-    if partial:
-        entry["partial"] = partial
-    return entry
 
 
 def parallelize(graph: Graph, spec: ParallelSpec | str, dims: Mapping[str, int], model: str = "model",

@@ -133,7 +133,7 @@ def _binary(node, ins, env):
 
 
 # -- matrix products ------------------------------------------------------------------
-def _resolve(a_dim: Dim, b_dim: Dim, a_is_data: bool, b_is_data: bool, axis_taken: set[str]) -> tuple[Dim, Dim]:
+def _resolve(a_dim: Dim, b_dim: Dim, axis_taken: set[str]) -> tuple[Dim, Dim]:
     """Two dims that must agree (a contraction or bmm's batch): take the more cut one."""
     for cand in (a_dim, b_dim) if len(_dim_axes(a_dim)) >= len(_dim_axes(b_dim)) else (b_dim, a_dim):
         if not _dim_axes(cand) & axis_taken:
@@ -167,9 +167,9 @@ def _matmul(node: Node, a: Layout, b: Layout, env: Env, batch: bool) -> Decision
     taken = set(partial)
     bdim: tuple[Dim, Dim] | tuple = ()
     if batch:
-        bdim = _resolve(a.dims[0], b.dims[0], a_data, b_data, taken)
+        bdim = _resolve(a.dims[0], b.dims[0], taken)
         taken |= _dim_axes(bdim[0])
-    k_a, k_b = _resolve(a.dims[off + 1], b.dims[off], a_data, b_data, taken)
+    k_a, k_b = _resolve(a.dims[off + 1], b.dims[off], taken)
     taken |= _dim_axes(k_a)
     m, n = _drop_conflicts(a.dims[off], b.dims[off + 1], a_data, b_data, taken)
     for axis in _dim_axes(k_a):

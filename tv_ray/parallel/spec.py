@@ -1,7 +1,7 @@
 """The parallel spec: ``dp=2,tp=2,pp=2,mb=2`` plus flags, and the checks that refuse impossible configs."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Mapping
 
 from tv_ray.errors import ParallelConfigError
@@ -82,6 +82,3 @@ class ParallelSpec:
         if layers is not None:
             need(self.pp <= layers, f"pp = {self.pp} is more than the model's {layers} layers")
 
-
-__all__ = ["ParallelSpec", "DEGREES"]
-del fields

@@ -27,7 +27,7 @@ rule(Op.FULL_LIKE,
 
 def _arange_length(start, end, step):
     if step == 0:
-        raise ShapeError(f"arange: step is zero")
+        raise ShapeError("arange: step is zero")
     if is_const(start) and is_const(end) and is_const(step):
         return max(0, -(-(const(end) - const(start)) // const(step)))
     return exact_div(end - start, step, f"arange({start}, {end}, {step})")
