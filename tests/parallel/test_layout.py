@@ -38,3 +38,22 @@ def test_uncut_trailing_factors_merge_into_the_cut_one():
     a = Layout.make([[Factor(E("b"), ("dp",)), Factor(E("s"))]])
     b = Layout.make([[Factor(E("b*s"), ("dp",))]])
     assert a == b
+
+
+def test_partial_max_does_not_pass_through_negation():
+    from tv_ray.ir.graph import Node
+    from tv_ray.parallel.rules import Env, decide
+    x = Layout.make([[Factor(E("b"))]], {"tp": "max"})
+    node = Node.make("n", "neg", ["x"], {}, (E("b"),))
+    env = Env(SIZES, DIMS, {"x": (E("b"),)}, {"x": True})
+    decision = decide(node, [x], env)
+    assert decision.inputs[0].partial == () and decision.out.partial == ()
+
+
+def test_partial_sum_passes_through_negation():
+    from tv_ray.ir.graph import Node
+    from tv_ray.parallel.rules import Env, decide
+    x = Layout.make([[Factor(E("b"))]], {"tp": "sum"})
+    node = Node.make("n", "neg", ["x"], {}, (E("b"),))
+    env = Env(SIZES, DIMS, {"x": (E("b"),)}, {"x": True})
+    assert decide(node, [x], env).out.partial == (("tp", "sum"),)

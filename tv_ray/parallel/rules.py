@@ -68,6 +68,13 @@ def _no_partial(layouts: list[Layout]) -> list[Layout]:
     return [l.without_partial() for l in layouts]
 
 
+def _sums_only(layout: Layout) -> Layout:
+    """Linear ops (sums, products with a weight) keep partial sums; a partial max must be reduced first."""
+    if all(kind == "sum" for _, kind in layout.partial):
+        return layout
+    return layout.without_partial()
+
+
 def _common_partial(layouts: list[Layout]) -> tuple | None:
     parts = {l.partial for l in layouts}
     return parts.pop() if len(parts) == 1 else None
@@ -93,7 +100,8 @@ def _align(node: Node, ins: list[Layout], keep_partial: bool) -> Decision:
         used |= _dim_axes(choice)
         target.append(choice)
     partial = _common_partial(ins) if keep_partial else ()
-    if partial is None or any(a in used for a, _ in partial):
+    # only partial sums pass through linear ops; a partial max does not survive negation or addition
+    if partial is None or any(a in used or kind != "sum" for a, kind in partial):
         partial = ()
     reqs = []
     for lay in ins:
@@ -156,6 +164,7 @@ def _matmul(node: Node, a: Layout, b: Layout, env: Env, batch: bool) -> Decision
     b_data = env.data_dependent.get(node.args[1], True)
     off = 1 if batch else 0
     partial = {}
+    a, b = _sums_only(a), _sums_only(b)
     if a.partial and b.partial:
         a, b = a.without_partial(), b.without_partial()
     # a partial sum over an axis that cuts the other operand: reduce it rather than gather the other
@@ -194,8 +203,7 @@ def _bmm(node, ins, env):
 @register(Op.SUM, Op.MEAN, Op.AMAX)
 def _reduce(node, ins, env):
     (x,) = ins
-    if node.op == Op.AMAX:
-        x = x.without_partial()
+    x = x.without_partial() if node.op == Op.AMAX else _sums_only(x)
     reduced = {d % x.rank for d in node.attr["dims"]} if node.attr["dims"] else set(range(x.rank))
     kind = "max" if node.op == Op.AMAX else "sum"
     partial = dict(x.partial)
@@ -373,7 +381,7 @@ def _nll_loss_backward(node, ins, env):
 def _embedding(node, ins, env):
     weight, idx = ins
     idx = idx.without_partial()
-    weight = _whole_dims(weight, {0})
+    weight = _whole_dims(_sums_only(weight), {0})
     col = weight.dims[1]
     if _dim_axes(col) & idx.axes():
         col = _uncut(col)
@@ -384,7 +392,7 @@ def _embedding(node, ins, env):
 @register(Op.EMBEDDING_BACKWARD)
 def _embedding_backward(node, ins, env):
     grad, idx = ins
-    idx = idx.without_partial()
+    grad, idx = _sums_only(grad), idx.without_partial()
     grad_lead = Layout(grad.dims[:-1])
     lead = grad_lead.dims if len(grad_lead.axes()) > len(idx.axes()) else idx.dims   # cutting the ids is free
     col = grad.dims[-1]
