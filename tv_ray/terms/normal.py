@@ -1,0 +1,346 @@
+"""Tier 0: the normaliser — canonical Laurent-polynomial form of a term over atoms, plus named axioms.
+
+A normal form is a polynomial with Fraction coefficients whose monomials are
+products of atoms to integer (possibly negative) powers. Atoms are variables,
+uninterpreted applications whose arguments are themselves in canonical form,
+and `P^-1` for a primitive polynomial P (division by a sum: its constant and
+monomial factors are pulled out first, so 1/(2xy + 2x) = ½·x⁻¹·(y + 1)⁻¹).
+Identities are those of rational functions over the reals, i.e. wherever both
+sides are defined (x·x⁻¹ = 1).
+
+Axioms beyond field arithmetic — each named, each recorded when it changes a term:
+
+  exp_add   exp(a + b) = exp(a)·exp(b)   (and so exp(k·a) = exp(a)^k for integer k)
+  exp_neg   exp(-a) = exp(a)^-1
+  log_mul   log(a·b) = log a + log b     only when every factor is known positive
+  log_exp   log(exp a) = a
+  max_assoc max(a, max(b, c)) = max(a, b, c)
+  max_comm  max(a, b) = max(b, a)
+
+"Known positive": exp(...) atoms, positive constants, (P)^-1 for a known-positive
+P, and products and positive-coefficient sums of those. An unguarded
+log(x·y) = log x + log y is false at x = y = -1 and is never applied.
+
+The normaliser is incomplete (no polynomial gcd, so Q·(1/Q) after a sum does
+not cancel): equal normal forms prove equality, different ones mean Unknown.
+
+    >>> from tv_ray.terms import var, exp, log, add, sub
+    >>> a, m = var("a"), var("m")
+    >>> prove_equal(add(log(exp(sub(a, m))), m), a)
+    Proved(method='normalised', axioms=('exp_add', 'exp_neg', 'log_exp', 'log_mul'))
+"""
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import Callable
+
+from tv_ray.terms.result import Proved, Unknown
+from tv_ray.terms.term import Kind, Term, TermError, add, app, const, mul, postorder, pow_, to_str
+
+Mono = tuple[tuple[Term, int], ...]   # sorted by atom digest, exponents nonzero
+Poly = dict[Mono, Fraction]           # nonzero coefficients only; {} is zero
+
+AXIOMS = ("exp_add", "exp_neg", "log_mul", "log_exp", "max_assoc", "max_comm")
+_FACTOR_LIMIT = 10 ** 6  # trial-divide log constants below this; larger ones stay one atom
+
+
+class NormaliseError(TermError):
+    """The term has no normal form (division by zero, log of zero)."""
+
+
+# -- polynomial arithmetic ---------------------------------------------------------------------
+
+def _p_const(c: Fraction) -> Poly:
+    return {(): Fraction(c)} if c != 0 else {}
+
+
+def _p_atom(atom: Term, e: int = 1) -> Poly:
+    return {((atom, e),): Fraction(1)}
+
+
+def _m_mul(m1: Mono, m2: Mono) -> Mono:
+    if not m1:
+        return m2
+    if not m2:
+        return m1
+    acc = dict(m1)
+    for a, e in m2:
+        s = acc.get(a, 0) + e
+        if s:
+            acc[a] = s
+        else:
+            del acc[a]
+    return tuple(sorted(acc.items(), key=lambda ae: ae[0].digest))
+
+
+def _m_pow(m: Mono, n: int) -> Mono:
+    return tuple((a, e * n) for a, e in m)
+
+
+def _p_add(ps: list[Poly]) -> Poly:
+    acc: dict[Mono, Fraction] = {}
+    for p in ps:
+        for m, c in p.items():
+            acc[m] = acc.get(m, 0) + c
+    return {m: c for m, c in acc.items() if c != 0}
+
+
+def _p_mul2(p: Poly, q: Poly) -> Poly:
+    acc: dict[Mono, Fraction] = {}
+    for m1, c1 in p.items():
+        for m2, c2 in q.items():
+            m = _m_mul(m1, m2)
+            acc[m] = acc.get(m, 0) + c1 * c2
+    return {m: c for m, c in acc.items() if c != 0}
+
+
+def _mono_order(m: Mono) -> tuple:
+    return tuple((a.digest, e) for a, e in m)
+
+
+def _split_content(p: Poly) -> tuple[Fraction, Mono, Poly]:
+    """p = c · M · P with P primitive: leading coefficient 1, no common monomial factor."""
+    lead = min(p, key=_mono_order)
+    c = p[lead]
+    low: dict[Term, int] = {}
+    atoms = set(a for m in p for a, _ in m)
+    for a in atoms:
+        low[a] = min(dict(m).get(a, 0) for m in p)
+    common: Mono = tuple(sorted(((a, e) for a, e in low.items() if e), key=lambda ae: ae[0].digest))
+    inv_common = _m_pow(common, -1)
+    prim = {_m_mul(m, inv_common): q / c for m, q in p.items()}
+    return c, common, prim
+
+
+def term_of(p: Poly) -> Term:
+    """The canonical term of a normal form (equal normal forms give the identical term)."""
+    summands = []
+    for m, c in p.items():
+        summands.append(mul(const(c), *[pow_(a, e) for a, e in m]))
+    return add(*summands)
+
+
+def _is_monomial(p: Poly) -> bool:
+    return len(p) == 1
+
+
+# -- the normaliser ----------------------------------------------------------------------------
+
+class Normaliser:
+    """Normal forms of terms, memoised per node; `axioms` collects the names of the axioms used."""
+
+    def __init__(self) -> None:
+        self.memo: dict[Term, Poly] = {}
+        self.axioms: set[str] = set()
+        self._positive: dict[Term, bool] = {}  # atoms known positive (filled when atoms are made)
+        self._rules: dict[Kind, Callable[[Term, list[Poly]], Poly]] = {
+            Kind.CONST: lambda t, _: _p_const(t.payload),
+            Kind.VAR: lambda t, _: _p_atom(t),
+            Kind.ADD: lambda t, ps: _p_add(ps),
+            Kind.MUL: self._mul,
+            Kind.POW: lambda t, ps: self._pow(ps[0], t.payload),
+            Kind.APP: self._app,
+        }
+        self._app_rules: dict[str, Callable[[Term, list[Poly]], Poly]] = {
+            "exp": self._exp,
+            "log": self._log,
+            "max": self._max,
+        }
+
+    def normalise(self, term: Term) -> Poly:
+        memo = self.memo
+        for node in postorder(term):
+            if node not in memo:
+                memo[node] = self._rules[node.kind](node, [memo[a] for a in node.args])
+        return memo[term]
+
+    # -- field arithmetic
+    @staticmethod
+    def _mul(t: Term, ps: list[Poly]) -> Poly:
+        acc: Poly = {(): Fraction(1)}
+        for p in ps:
+            acc = _p_mul2(acc, p)
+            if not acc:
+                break
+        return acc
+
+    def _pow(self, p: Poly, n: int) -> Poly:
+        if n < 0:
+            p, n = self._inv(p), -n
+        acc: Poly = {(): Fraction(1)}
+        base = p
+        while n:  # square-and-multiply keeps the expansion count logarithmic in n
+            if n & 1:
+                acc = _p_mul2(acc, base)
+            n >>= 1
+            if n:
+                base = _p_mul2(base, base)
+        return acc
+
+    def _inv(self, p: Poly) -> Poly:
+        if not p:
+            raise NormaliseError("division by zero: a denominator normalises to 0")
+        if _is_monomial(p):
+            (m, c), = p.items()
+            return {_m_pow(m, -1): 1 / c}
+        c, common, prim = _split_content(p)
+        atom = pow_(self._canon(prim), -1)
+        if atom not in self._positive:
+            self._positive[atom] = self._known_positive(prim)
+        return {_m_mul(_m_pow(common, -1), ((atom, 1),)): 1 / c}
+
+    # -- applications
+    def _app(self, t: Term, ps: list[Poly]) -> Poly:
+        rule = self._app_rules.get(t.payload)
+        if rule is not None:
+            return rule(t, ps)
+        return _p_atom(self._atom(t.payload, [self._canon(p) for p in ps]))
+
+    def _canon(self, p: Poly) -> Term:
+        # The canonical term has the value of p, so seeding the memo with it is sound and saves
+        # re-normalising atom arguments (log_exp, inverse atoms) from scratch.
+        t = term_of(p)
+        self.memo.setdefault(t, p)
+        return t
+
+    def _atom(self, name: str, args: list[Term]) -> Term:
+        atom = app(name, *args)
+        if atom not in self._positive:
+            self._positive[atom] = name == "exp"
+        return atom
+
+    def _exp(self, t: Term, ps: list[Poly]) -> Poly:
+        if len(ps) != 1:
+            return _p_atom(self._atom("exp", [self._canon(p) for p in ps]))
+        p = ps[0]
+        if len(p) > 1:
+            self.axioms.add("exp_add")
+        mono: Mono = ()
+        for m, c in p.items():
+            # exp(c·m) with c = ±k/q  ->  exp(m/q)^(±k): one canonical atom per summand
+            k, q = c.numerator, c.denominator
+            if k < 0:
+                self.axioms.add("exp_neg")
+            if abs(k) != 1:
+                self.axioms.add("exp_add")
+            atom = self._atom("exp", [self._canon({m: Fraction(1, q)})])
+            mono = _m_mul(mono, ((atom, k),))
+        return {mono: Fraction(1)}
+
+    def _known_positive(self, p: Poly) -> bool:
+        if not p:
+            return False
+        return all(c > 0 and all(self._positive.get(a, False) for a, _ in m) for m, c in p.items())
+
+    def _log(self, t: Term, ps: list[Poly]) -> Poly:
+        if len(ps) != 1:
+            return _p_atom(self._atom("log", [self._canon(p) for p in ps]))
+        p = ps[0]
+        if not p:
+            raise NormaliseError("log of a term that normalises to 0")
+        if _is_monomial(p):
+            (common, c), = p.items()
+            prim: Poly = {(): Fraction(1)}
+        else:
+            c, common, prim = _split_content(p)
+        factors_positive = c > 0 and all(self._positive.get(a, False) for a, _ in common)
+        if not (factors_positive and self._known_positive(prim)):
+            return _p_atom(self._atom("log", [self._canon(p)]))
+        parts: list[Poly] = [self._log_const(c)]
+        if common and (c != 1 or len(common) > 1 or common[0][1] != 1 or len(prim) > 1):
+            self.axioms.add("log_mul")
+        for a, e in common:
+            parts.append({m: e * q for m, q in self._log_positive_atom(a).items()})
+        if prim != {(): 1}:
+            if c != 1:
+                self.axioms.add("log_mul")
+            parts.append(_p_atom(self._atom("log", [self._canon(prim)])))
+        return _p_add(parts)
+
+    def _log_positive_atom(self, a: Term) -> Poly:
+        if a.kind is Kind.APP and a.payload == "exp":
+            self.axioms.add("log_exp")
+            return self.normalise(a.args[0])
+        # (P)^-1 with P positive: log(1/P) = -log P, a case of log_mul (log P + log(1/P) = log 1)
+        self.axioms.add("log_mul")
+        base = self.normalise(a.args[0])
+        return {m: -q for m, q in self._log(app("log", a.args[0]), [base]).items()}
+
+    def _log_const(self, c: Fraction) -> Poly:
+        """log of a positive rational as Σ e·log(prime) (numbers above the trial-division limit stay whole)."""
+        if c == 1:
+            return {}
+        parts: list[Poly] = []
+        factors = [(p, e) for p, e in _factorise(c.numerator)] + [(p, -e) for p, e in _factorise(c.denominator)]
+        if len(factors) > 1 or any(e != 1 for _, e in factors):
+            self.axioms.add("log_mul")
+        for prime, e in factors:
+            parts.append({((self._atom("log", [const(prime)]), 1),): Fraction(e)})
+        return _p_add(parts)
+
+    def _max(self, t: Term, ps: list[Poly]) -> Poly:
+        args = [self._canon(p) for p in ps]
+        flat: list[Term] = []
+        for a in args:
+            if a.kind is Kind.APP and a.payload == "max":
+                self.axioms.add("max_assoc")
+                flat.extend(a.args)
+            else:
+                flat.append(a)
+        ordered = sorted(flat, key=lambda a: a.digest)
+        if ordered != flat:
+            self.axioms.add("max_comm")
+        return _p_atom(self._atom("max", ordered))
+
+
+def _factorise(n: int) -> list[tuple[int, int]]:
+    if n == 1:
+        return []
+    if n >= _FACTOR_LIMIT:
+        return [(n, 1)]
+    out = []
+    p = 2
+    while p * p <= n:
+        e = 0
+        while n % p == 0:
+            n //= p
+            e += 1
+        if e:
+            out.append((p, e))
+        p += 1
+    if n > 1:
+        out.append((n, 1))
+    return out
+
+
+# -- public API --------------------------------------------------------------------------------
+
+def normal_form(term: Term) -> Term:
+    """The canonical term of `term`'s normal form (raises NormaliseError on a zero denominator)."""
+    return term_of(Normaliser().normalise(term))
+
+
+def prove_equal(lhs: Term, rhs: Term) -> Proved | Unknown:
+    """Tier 0: Proved(method="normalised", axioms) when the normal forms are equal, else Unknown.
+
+    Never refutes: different normal forms only mean the normaliser could not show equality.
+
+        >>> from tv_ray.terms import var, mul, add
+        >>> x, a0, a1 = var("x"), var("a0"), var("a1")
+        >>> prove_equal(mul(x, add(a0, a1)), add(mul(x, a0), mul(x, a1))).proved
+        True
+    """
+    n = Normaliser()
+    try:
+        pl = n.normalise(lhs)
+        pr = n.normalise(rhs)
+    except NormaliseError as e:
+        return Unknown(f"no normal form: {e}")
+    if pl == pr:
+        return Proved(method="normalised", axioms=tuple(sorted(n.axioms)))
+    diff = _p_add([pl, {m: -c for m, c in pr.items()}])
+    return Unknown(f"normal forms differ (the normaliser is incomplete); lhs - rhs normalises to "
+                   f"{to_str(term_of(diff), max_chars=300)}")
+
+
+__all__ = ["prove_equal", "normal_form", "Normaliser", "NormaliseError", "term_of", "AXIOMS"]
