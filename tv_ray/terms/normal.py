@@ -4,7 +4,10 @@ A normal form is a polynomial with Fraction coefficients whose monomials are
 products of atoms to integer (possibly negative) powers. Atoms are variables,
 uninterpreted applications whose arguments are themselves in canonical form,
 and `P^-1` for a primitive polynomial P (division by a sum: its constant and
-monomial factors are pulled out first, so 1/(2xy + 2x) = ½·x⁻¹·(y + 1)⁻¹).
+monomial factors are pulled out first, so 1/(2xy + 2x) = ½·x⁻¹·(y + 1)⁻¹; P's leading
+coefficient, in digest order, is 1). An inverse atom appears in a normal form only to positive
+powers: (P⁻¹)⁻ᵏ is multiplied out as Pᵏ, since the term (P⁻¹)⁻ᵏ is the sum Pᵏ. With both rules
+normal_form is idempotent: a normal form is its own normal form.
 Identities are those of rational functions over the reals, i.e. wherever both
 sides are defined (x·x⁻¹ = 1).
 
@@ -99,16 +102,23 @@ def _mono_order(m: Mono) -> tuple:
 
 
 def _split_content(p: Poly) -> tuple[Fraction, Mono, Poly]:
-    """p = c · M · P with P primitive: leading coefficient 1, no common monomial factor."""
-    lead = min(p, key=_mono_order)
-    c = p[lead]
+    """p = c · M · P with P primitive: leading coefficient 1, no common monomial factor.
+
+    The leading monomial is chosen *after* the common monomial M is divided out: the digest
+    order of monomials is not preserved by division (m1 < m2 does not give m1/M < m2/M), so a
+    lead picked in p can be a non-leading monomial of P, and P would then not be primitive —
+    splitting P again would rescale it (e.g. flip its sign) and normal_form would not be
+    idempotent. Chosen this way, _split_content(P) == (1, (), P).
+    """
     low: dict[Term, int] = {}
     atoms = set(a for m in p for a, _ in m)
     for a in atoms:
         low[a] = min(dict(m).get(a, 0) for m in p)
     common: Mono = tuple(sorted(((a, e) for a, e in low.items() if e), key=lambda ae: ae[0].digest))
     inv_common = _m_pow(common, -1)
-    prim = {_m_mul(m, inv_common): q / c for m, q in p.items()}
+    reduced = {_m_mul(m, inv_common): q for m, q in p.items()}
+    c = reduced[min(reduced, key=_mono_order)]
+    prim = {m: q / c for m, q in reduced.items()}
     return c, common, prim
 
 
@@ -148,11 +158,38 @@ class Normaliser:
         }
 
     def normalise(self, term: Term) -> Poly:
+        """The normal form of `term` (expanded: no inverse atom to a negative power)."""
         memo = self.memo
         for node in postorder(term):
             if node not in memo:
                 memo[node] = self._rules[node.kind](node, [memo[a] for a in node.args])
-        return memo[term]
+        return self._expand(memo[term])
+
+    def _expand(self, p: Poly) -> Poly:
+        """p with every inverse atom to a negative power, (P^-1)^-k, multiplied out as P^k.
+
+        Inside the memo such factors are kept (so that (2/Q)^-1 · Q^-1 still cancels to ½),
+        but they have no canonical term: pow_ folds (P^-1)^-k to the sum P^k, which
+        re-normalises to its expansion. So every poly that leaves the memo — a result, or one
+        that becomes a term or is inspected by a rule (_canon, _inv, exp, log) — is expanded
+        first, and normal_form is idempotent.
+        """
+        if not any(a.kind is Kind.POW and e < 0 for m in p for a, e in m):
+            return p
+        parts: list[Poly] = []
+        for m, c in p.items():
+            acc: Poly = {(): c}
+            rest = []
+            for a, e in m:
+                if a.kind is Kind.POW and e < 0:
+                    # a = P^-1 was made by _inv from a primitive, expanded P seeded into the memo
+                    base = self.memo.get(a.args[0])
+                    base = self.normalise(a.args[0]) if base is None else self._expand(base)
+                    acc = _p_mul2(acc, self._pow(base, -e))
+                else:
+                    rest.append((a, e))
+            parts.append(_p_mul2(acc, {tuple(rest): Fraction(1)}))
+        return _p_add(parts)
 
     # -- field arithmetic
     @staticmethod
@@ -182,7 +219,10 @@ class Normaliser:
             raise NormaliseError("division by zero: a denominator normalises to 0")
         if _is_monomial(p):
             (m, c), = p.items()
-            return {_m_pow(m, -1): 1 / c}
+            return {_m_pow(m, -1): 1 / c}  # may leave (P^-1)^-1 factors: see _expand
+        p = self._expand(p)
+        if len(p) <= 1:  # expanding can cancel: (2/Q)^-1 - Q/2 is 0
+            return self._inv(p)
         c, common, prim = _split_content(p)
         atom = pow_(self._canon(prim), -1)
         if atom not in self._positive:
@@ -199,6 +239,7 @@ class Normaliser:
     def _canon(self, p: Poly) -> Term:
         # The canonical term has the value of p, so seeding the memo with it is sound and saves
         # re-normalising atom arguments (log_exp, inverse atoms) from scratch.
+        p = self._expand(p)
         t = term_of(p)
         self.memo.setdefault(t, p)
         return t
@@ -212,7 +253,7 @@ class Normaliser:
     def _exp(self, t: Term, ps: list[Poly]) -> Poly:
         if len(ps) != 1:
             return _p_atom(self._atom("exp", [self._canon(p) for p in ps]))
-        p = ps[0]
+        p = self._expand(ps[0])
         if len(p) > 1:
             self.axioms.add("exp_add")
         mono: Mono = ()
@@ -235,7 +276,7 @@ class Normaliser:
     def _log(self, t: Term, ps: list[Poly]) -> Poly:
         if len(ps) != 1:
             return _p_atom(self._atom("log", [self._canon(p) for p in ps]))
-        p = ps[0]
+        p = self._expand(ps[0])
         if not p:
             raise NormaliseError("log of a term that normalises to 0")
         if _is_monomial(p):
