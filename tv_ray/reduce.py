@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 from tv_ray.errors import ShapeError
 from tv_ray.ir.dims import Dims, Expr
 from tv_ray.ir.graph import Graph, Node
-from tv_ray.ir.ops import Op
+from tv_ray.ir.ops import Op, registrar
 from tv_ray.plan import Fixed, Plan
 
 KINDS = ("reduced", "split", "integer", "positive", "order")
@@ -191,16 +191,7 @@ class _Collector:
 # -- per-op rules --------------------------------------------------------------------------------
 OpRule = Callable[[_Collector, Node, list[tuple], Mapping[str, int], str], None]
 _RULES: dict[Op, OpRule] = {}
-
-
-def _rule(*ops: Op) -> Callable[[OpRule], OpRule]:
-    def register(fn: OpRule) -> OpRule:
-        for op in ops:
-            if op in _RULES:
-                raise AssertionError(f"reduce: a rule for {op} is registered twice")
-            _RULES[op] = fn
-        return fn
-    return register
+_rule = registrar(_RULES, "reduce: a rule")
 
 
 def _axis(dim: int, rank: int) -> int:

@@ -109,6 +109,19 @@ class Op(str, enum.Enum):
         return self.value
 
 
+def registrar(table: dict, what: str):
+    """A decorator factory filling a rule table keyed by op; an op registered twice is an error."""
+    def register(*ops: Op):
+        def wrap(fn):
+            for op in ops:
+                if op in table:
+                    raise AssertionError(f"{what} for {op} registered twice")
+                table[op] = fn
+            return fn
+        return wrap
+    return register
+
+
 # -- named groups ------------------------------------------------------------
 UNARY = frozenset({Op.NEG, Op.RSQRT, Op.SQRT, Op.RECIPROCAL, Op.EXP, Op.LOG, Op.SIGMOID,
                    Op.SILU, Op.GELU, Op.TANH, Op.COS, Op.SIN, Op.ABS, Op.CAST, Op.CLONE})

@@ -15,7 +15,7 @@ from typing import Callable, Mapping
 from tv_ray.errors import ParallelConfigError
 from tv_ray.ir.dims import Expr
 from tv_ray.ir.graph import Node
-from tv_ray.ir.ops import BINARY, UNARY, Op
+from tv_ray.ir.ops import BINARY, UNARY, Op, registrar
 from tv_ray.parallel.layout import ONE, Dim, Factor, Layout, canonical, view_layout
 
 BATCH_AXES = frozenset({"dp", "mb", "cp"})   # on a conflict these stay on the data, not the weights
@@ -41,16 +41,7 @@ class Decision:
 
 Rule = Callable[[Node, list[Layout], Env], Decision]
 RULES: dict[Op, Rule] = {}
-
-
-def register(*ops: Op):
-    def wrap(fn: Rule) -> Rule:
-        for op in ops:
-            if op in RULES:
-                raise AssertionError(f"sharding rule for {op} registered twice")
-            RULES[op] = fn
-        return fn
-    return wrap
+register = registrar(RULES, "sharding rule")
 
 
 def _uncut(dim: Dim) -> Dim:
