@@ -16,7 +16,7 @@ from tv_ray.errors import CaptureError, ParallelConfigError
 from tv_ray.frontend.capture import capture
 from tv_ray.frontend.optim import capture_step as _capture_step
 from tv_ray.ir.graph import Graph
-from tv_ray.models import ModelSpec, get
+from tv_ray.models import ModelSpec, get, list_models
 from tv_ray.parallel.recipe import parallelize as _parallelize
 from tv_ray.parallel.spec import ParallelSpec
 from tv_ray.plan import Plan
@@ -65,16 +65,11 @@ def parallelize(graph: Graph, spec: str | ParallelSpec, *, model: str | ModelSpe
     elif flags:
         raise ParallelConfigError(f"flags {sorted(flags)} given with a ParallelSpec; set them on it")
     name = model if isinstance(model, str) else model.name
-    if isinstance(model, ModelSpec) or _known(model):
+    if isinstance(model, ModelSpec) or model in list_models():
         model_spec = _spec(model, None, None)
         dims = {**model_spec.dims, **(dims or {})}
         layers = layers or model_spec.config.layers
     return _parallelize(graph, spec, dict(dims or {}), name, layers=layers)
-
-
-def _known(name: str) -> bool:
-    from tv_ray.models import list_models
-    return name in list_models()
 
 
 __all__ = ["capture", "capture_step", "parallelize", "simulate", "Plan", "ParallelSpec"]

@@ -9,7 +9,7 @@ missing from both tables is an error naming it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from tv_ray.errors import ParallelConfigError
@@ -36,7 +36,6 @@ class Decision:
     inputs: list[Layout]
     out: Layout
     divide_by: int = 1          # mean over a cut dimension: the local mean is divided by the cut
-    notes: list[str] = field(default_factory=list)
 
 
 Rule = Callable[[Node, list[Layout], Env], Decision]

@@ -97,7 +97,7 @@ def _log_softmax_backward(node: Node, g: Graph) -> list[Node]:
 
 def _picks_vocab(node: Node, g: Graph) -> bool:
     """The one-hot form equals nll_loss only when ignored targets fall outside [0, V)."""
-    logp, target = node.args[:2] if node.op == Op.NLL_LOSS else node.args[1:3]
+    logp = node.args[0] if node.op == Op.NLL_LOSS else node.args[1]
     return len(g.shape_of(logp)) == 2 and node.attr["ignore_index"] < 0
 
 
