@@ -20,19 +20,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from tv_ray.errors import PlanError, SimulationError, TvRayError
+from tv_ray.execute import Scheduler
 from tv_ray.ir import Graph, TensorSpec
 from tv_ray.plan import Plan
-from tv_ray.ir import Node, Op
-from tv_ray.ir.ops import COLLECTIVES
-from tv_ray.semantics import Context, eval_node, rule_for, run_graph
-from tv_ray.semantics.interpret import describe as describe_node
-from tv_ray.semantics.table import dtype_name, instantiate_shape, numpy_dtype
+from tv_ray.semantics import run_graph
+from tv_ray.semantics.table import numpy_dtype
 
 GROUPS = ("loss", "grad", "param", "state")
 
@@ -152,171 +149,6 @@ def _compare(plan: Plan, outputs: list[dict[str, np.ndarray]], reference: dict[s
             if dev > result.deviation.get(entry.logical, -1.0):
                 result.deviation[entry.logical] = dev
                 result.worst_rank[entry.logical] = rank
-
-
-# -- running all ranks together ------------------------------------------------------------------------
-_TOKEN = np.zeros(0)   # the value of a send: nothing
-
-
-def _op_text(node: Node) -> str:
-    return f"{node.op} {json.dumps(node.to_json().get('attrs', {}), separators=(',', ':'))}"
-
-
-class _Rank:
-    """One rank's execution state: its program, position and live values."""
-
-    def __init__(self, rank: int, name: str, program: Graph, env: dict[str, np.ndarray], ctx: Context):
-        self.rank, self.name, self.program, self.env, self.ctx = rank, name, program, env, ctx
-        self.pc = 0
-        self.issued: dict[tuple, int] = defaultdict(int)   # collectives completed per group
-
-    @property
-    def done(self) -> bool:
-        return self.pc == len(self.program.nodes)
-
-    def where(self) -> str:
-        return f"programs.{self.name}.ops[{self.pc}]"
-
-
-class Scheduler:
-    """Round-robin over ranks: each runs until it blocks at a collective (until every member of the
-    group reaches its matching one) or at a recv (until the matching send happened)."""
-
-    def __init__(self, plan: Plan, dims: dict[str, int], rank_inputs: list[dict[str, np.ndarray]]):
-        self.plan, self.dims = plan, dims
-        names, ids = plan.rank_programs()
-        self.frees = {name: _frees(plan.programs[name]) for name in set(names[i] for i in ids)}
-        self.ranks = [_Rank(r, names[ids[r]], plan.programs[names[ids[r]]], rank_inputs[r],
-                            Context(plan.axis_sizes, plan.coords(r))) for r in range(plan.num_ranks)]
-        self.arrived: dict[tuple, dict[int, np.ndarray]] = {}          # (group, k) -> rank -> input
-        self.mailbox: dict[tuple, deque] = defaultdict(deque)          # (src, dst, tag) -> values
-        self.handlers = {**{op: self._collective for op in COLLECTIVES}, Op.SEND: self._send, Op.RECV: self._recv}
-        self.groups: dict[tuple, tuple[int, ...]] = {}
-
-    def run(self) -> list[dict[str, np.ndarray]]:
-        """Run every rank to its end; each rank's outputs by output name."""
-        while not all(r.done for r in self.ranks):
-            progressed = False
-            for state in self.ranks:
-                while not state.done and self._step(state):
-                    progressed = True
-            if not progressed:
-                raise SimulationError(self._deadlock())
-        return [{out: r.env[value] for out, value in r.program.outputs} for r in self.ranks]
-
-    def _step(self, state: _Rank) -> bool:
-        node = state.program.nodes[state.pc]
-        return self.handlers.get(node.op, self._compute)(state, node)
-
-    def _advance(self, state: _Rank, node: Node, value: np.ndarray) -> None:
-        state.env[node.name] = value
-        for name in self.frees[state.name][state.pc]:
-            del state.env[name]
-        state.pc += 1
-
-    def _fail(self, state: _Rank, node: Node, err: Exception) -> SimulationError:
-        return SimulationError(f"{self.plan.describe(state.rank)} at {state.where()} ({describe_node(node)}): {err}")
-
-    def _compute(self, state: _Rank, node: Node) -> bool:
-        try:
-            value = eval_node(node, [state.env[a] for a in node.args], self.dims, state.ctx)
-        except (TvRayError, ArithmeticError, ValueError, IndexError, TypeError) as err:
-            raise self._fail(state, node, err) from err
-        self._advance(state, node, value)
-        return True
-
-    def _group(self, state: _Rank, node: Node) -> tuple[tuple, tuple[int, ...]]:
-        axes = node.attr["axes"]
-        if (state.rank, axes) not in self.groups:
-            self.groups[state.rank, axes] = tuple(self.plan.group(state.rank, axes))
-        members = self.groups[state.rank, axes]
-        return (axes, members), members
-
-    def _collective(self, state: _Rank, node: Node) -> bool:
-        group, members = self._group(state, node)
-        slot = (group, state.issued[group])
-        arrived = self.arrived.setdefault(slot, {})
-        if state.rank in arrived:
-            return False
-        first = self.ranks[next(iter(arrived))] if arrived else None
-        if first is not None and (first.program.nodes[first.pc].op, first.program.nodes[first.pc].attrs) != \
-                (node.op, node.attrs):
-            raise SimulationError(
-                f"mismatched collectives on the {'×'.join(group[0])} group {list(members)} (collective "
-                f"#{slot[1] + 1} there): {self.plan.describe(first.rank)} runs {first.where()} "
-                f"{_op_text(first.program.nodes[first.pc])}, {self.plan.describe(state.rank)} runs "
-                f"{state.where()} {_op_text(node)}")
-        arrived[state.rank] = state.env[node.args[0]]
-        if len(arrived) < len(members):
-            return False
-        try:
-            results = rule_for(node.op, "group").group([arrived[m] for m in members], node.attr)
-        except (TvRayError, ValueError) as err:
-            raise SimulationError(f"{_op_text(node)} on the group {list(members)} at {state.where()}: {err}") from err
-        del self.arrived[slot]
-        for member, value in zip(members, results):
-            peer = self.ranks[member]
-            stated = instantiate_shape(peer.program.nodes[peer.pc].shape, self.dims)
-            if value.shape != stated:
-                raise SimulationError(f"{self.plan.describe(member)} at {peer.where()}: {_op_text(node)} gives shape "
-                                      f"{value.shape} but the op states {stated}")
-            peer.issued[group] += 1
-            self._advance(peer, peer.program.nodes[peer.pc], value)
-        return True
-
-    def _peer(self, state: _Rank, node: Node) -> int:
-        coords = state.ctx.coords
-        return self.plan.rank_of({a: coords[a] + dict(node.attr["peer"]).get(a, 0) for a in coords})
-
-    def _send(self, state: _Rank, node: Node) -> bool:
-        key = (state.rank, self._peer(state, node), node.attr.get("tag", 0))
-        self.mailbox[key].append((state.env[node.args[0]], state.where()))
-        self._advance(state, node, _TOKEN)
-        return True
-
-    def _recv(self, state: _Rank, node: Node) -> bool:
-        queue = self.mailbox.get((self._peer(state, node), state.rank, node.attr.get("tag", 0)))
-        if not queue:
-            return False
-        value, sent_at = queue.popleft()
-        want = instantiate_shape(node.attr["size"], self.dims)
-        if value.shape != want or value.dtype != numpy_dtype(node.attr["dtype"]):
-            raise SimulationError(f"{self.plan.describe(state.rank)} at {state.where()} ({describe_node(node)}) "
-                                  f"expects {node.attr['dtype']} {want} but {sent_at} sent {dtype_name(value)} "
-                                  f"{value.shape}")
-        self._advance(state, node, value)
-        return True
-
-    def _deadlock(self) -> str:
-        waits = []
-        for state in self.ranks:
-            if state.done:
-                continue
-            node = state.program.nodes[state.pc]
-            if node.op in COLLECTIVES:
-                group, members = self._group(state, node)
-                arrived = sorted(self.arrived.get((group, state.issued[group]), {}))
-                what = (f"{node.name} = {_op_text(node)} on group {list(members)}, collective "
-                        f"#{state.issued[group] + 1} there; arrived: {arrived}")
-            else:
-                what = f"{node.name} = recv from {self.plan.describe(self._peer(state, node))}, tag {node.attr.get('tag', 0)}"
-            waits.append(f"{self.plan.describe(state.rank)} waits at {state.where()} ({what})")
-        unread = [f"rank {src}→{dst} tag {tag} ×{len(q)}" for (src, dst, tag), q in sorted(self.mailbox.items()) if q]
-        return ("deadlock: " + "; ".join(waits) + (f"; sent but never received: {', '.join(unread)}" if unread else ""))
-
-
-def _frees(program: Graph) -> list[list[str]]:
-    """For each op position, the values last read there (program outputs are kept to the end)."""
-    last: dict[str, int] = {}
-    for position, node in enumerate(program.nodes):
-        for arg in node.args:
-            last[arg] = position
-    for _, value in program.outputs:
-        last.pop(value, None)
-    frees: list[list[str]] = [[] for _ in program.nodes]
-    for name, position in last.items():
-        frees[position].append(name)
-    return frees
 
 
 # -- the simulator ---------------------------------------------------------------------------------

@@ -7,7 +7,7 @@
     True
 """
 from tv_ray.terms.term import (ONE, ZERO, Kind, Term, TermError, add, app, const, depth, div, exp, fn, fold,
-                               from_table, log, max_, mul, neg, postorder, pow_, prod, size, sub, sum_, to_str,
+                               from_table, rebuild, substitute, log, max_, mul, neg, postorder, pow_, prod, size, sub, sum_, to_str,
                                to_table, var, variables)
 from tv_ray.terms.result import Proved, Refuted, Unknown
 from tv_ray.terms.normal import normal_form, prove_equal
@@ -16,5 +16,5 @@ from tv_ray.terms.random_point import refute
 __all__ = [
     "Term", "Kind", "TermError", "const", "var", "add", "mul", "pow_", "app", "neg", "sub", "div", "sum_",
     "prod", "exp", "log", "max_", "fn", "ZERO", "ONE", "postorder", "fold", "size", "depth", "variables",
-    "to_str", "to_table", "from_table", "Proved", "Refuted", "Unknown", "normal_form", "prove_equal", "refute",
+    "to_str", "to_table", "from_table", "rebuild", "substitute", "Proved", "Refuted", "Unknown", "normal_form", "prove_equal", "refute",
 ]

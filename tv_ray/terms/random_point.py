@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import mpmath
 
+from tv_ray.terms import onehot
 from tv_ray.terms.result import Refuted, Unknown
 from tv_ray.terms.term import Kind, Term, postorder
 
@@ -138,7 +139,10 @@ class _Evaluator:
 
 
 def _random_point(rng: random.Random, names: list[str]) -> dict[str, Fraction]:
-    return {n: Fraction(rng.randint(-24, 24), rng.randint(1, 7)) for n in names}
+    """Random rationals; one-hot indicators of integer data get a consistent 0/1 pattern."""
+    point = {n: Fraction(rng.randint(-24, 24), rng.randint(1, 7)) for n in names if not onehot.is_indicator(n)}
+    point.update(onehot.draw([n for n in names if onehot.is_indicator(n)], rng))
+    return point
 
 
 def refute(lhs: Term, rhs: Term, points: int = DEFAULT_POINTS, seed: int = 0, digits: int = DEFAULT_DIGITS,

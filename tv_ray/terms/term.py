@@ -355,6 +355,26 @@ def fold(root: Term, visit: Callable[[Term, list], R], memo: dict | None = None)
     return memo[root]
 
 
+def rebuild(node: Term, args: list[Term]) -> Term:
+    """`node` with new arguments, through the normalising constructors."""
+    k = node.kind
+    if k in (Kind.CONST, Kind.VAR):
+        return node
+    if k is Kind.ADD:
+        return add(*args)
+    if k is Kind.MUL:
+        return mul(*args)
+    if k is Kind.POW:
+        return pow_(args[0], node.payload)
+    return app(node.payload, *args)
+
+
+def substitute(root: Term, mapping: dict[Term, Term], memo: dict | None = None) -> Term:
+    """`root` with every variable in `mapping` replaced by its image (one simultaneous pass)."""
+    return fold(root, lambda node, args: mapping.get(node, node) if node.kind is Kind.VAR else
+                rebuild(node, args), memo)
+
+
 def size(root: Term) -> int:
     """Number of distinct nodes in the DAG."""
     return len(postorder(root))
@@ -452,5 +472,5 @@ def from_table(table: dict) -> Term | tuple[Term, ...]:
 __all__ = [
     "Term", "Kind", "TermError", "const", "var", "add", "mul", "pow_", "app", "neg", "sub", "div",
     "sum_", "prod", "exp", "log", "max_", "fn", "ZERO", "ONE", "MINUS_ONE", "postorder", "fold",
-    "size", "depth", "variables", "to_str", "to_table", "from_table",
+    "size", "depth", "variables", "to_str", "to_table", "from_table", "rebuild", "substitute",
 ]

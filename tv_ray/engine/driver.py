@@ -1,0 +1,191 @@
+"""The verification driver: plan → reduced shapes → claims → obligations with keys → solved once per key → outcome.
+
+    >>> outcome = verify_plan(plan, budget=Budget(solvers=("z3",)), executor=LocalExecutor(jobs=2))
+    >>> outcome.status, outcome.counts()
+    ('proved', {'obligations': 4833, 'unique': 1201, 'proved': 4833, 'refuted': 0, 'unknown': 0})
+
+Phases are timed (`outcome.phases`). A progress bar (tqdm, on stderr) shows
+obligations generated / unique / proved / refuted / unknown and the rate when
+the run is interactive or asked for.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from tqdm import tqdm
+
+from tv_ray.engine.executor import Executor, LocalExecutor, SolveTask
+from tv_ray.engine.solve import Budget, Verdict
+from tv_ray.partition.claims import Claim, infer_claims, output_claims, runs_for, ConcreteRun
+from tv_ray.partition.keys import formula_key
+from tv_ray.partition.stages import Obligation, Partition, partition
+from tv_ray.plan import Plan
+from tv_ray.reduce import Reduction, reduce_plan
+
+BATCH = 64
+REFINE_ROUNDS = 4
+
+
+@dataclass
+class Outcome:
+    """Everything a run found: the basis of a certificate (proved) or a report (refuted / unknown)."""
+
+    plan: Plan
+    reduction: Reduction
+    partition: Partition
+    runs: list[ConcreteRun]
+    claims: dict[tuple[int, str], Claim]
+    keys: dict[str, str]                       # obligation id -> key
+    verdicts: dict[str, Verdict]               # key -> verdict
+    problems: list[str] = field(default_factory=list)     # composition failures (never proved then)
+    phases: dict[str, float] = field(default_factory=dict)
+    executor: str = ""
+
+    @property
+    def status(self) -> str:
+        """proved (every obligation proved and the composition holds), refuted, or unknown."""
+        verdicts = [self.verdicts[self.keys[o.id]].verdict for o in self.partition.obligations]
+        if "refuted" in verdicts:
+            return "refuted"
+        if self.problems or any(v != "proved" for v in verdicts) or not verdicts:
+            return "unknown"
+        return "proved"
+
+    def verdict_of(self, ob: Obligation) -> Verdict:
+        return self.verdicts[self.keys[ob.id]]
+
+    def counts(self) -> dict[str, int]:
+        c = Counter(self.verdict_of(o).verdict for o in self.partition.obligations)
+        return {"obligations": len(self.partition.obligations), "unique": len(self.verdicts),
+                "proved": c["proved"], "refuted": c["refuted"], "unknown": c["unknown"]}
+
+    def tiers(self) -> dict[str, int]:
+        """Unique keys by how they closed: normalised, random-point, smt:<solver>, unknown."""
+        c = Counter((v.method if v.verdict != "unknown" else "unknown") for v in self.verdicts.values())
+        return dict(sorted(c.items()))
+
+    def first_refuted(self) -> Obligation | None:
+        bad = [o for o in self.partition.obligations if self.verdict_of(o).verdict == "refuted"]
+        return min(bad, key=lambda o: o.position) if bad else None
+
+
+def claims_for(plan: Plan, dims: dict[str, int], seed: int = 0):
+    """The concrete runs and every claim (boundary lineage, then matched by value)."""
+    runs, input_claims = runs_for(plan, dims, seed)
+    shapes = {name: value.shape for name, value in runs[0].logical.items()}
+    fixed = {**input_claims, **output_claims(plan, shapes)}
+    eligible = [name for name, value in runs[0].logical.items() if value.dtype.kind == "f"]
+    return runs, infer_claims(plan, runs, fixed, eligible)
+
+
+def obligations_of(plan: Plan, seed: int = 0) -> tuple[Reduction, list[ConcreteRun], dict, Partition, dict[str, str]]:
+    """Reduce, claim, partition and key: everything before solving (the checker re-runs exactly this)."""
+    reduction = reduce_plan(plan)
+    runs, claims = claims_for(plan, reduction.reduced, seed)
+    part = partition(plan, reduction.reduced, claims)
+    keys = {o.id: formula_key(o.lhs, o.rhs) for o in part.obligations}
+    return reduction, runs, claims, part, keys
+
+
+def composition_problems(plan: Plan, part: Partition, proved: set[str]) -> list[str]:
+    """Soundness rule 3: what keeps the proved stages from composing into the end-to-end claim."""
+    problems = list(part.notes)
+    boundary = set(part.boundary)
+    for ob in part.obligations:
+        for src in ob.reads:
+            if src not in boundary and src not in proved:
+                problems.append(f"stage {ob.id} reads {src}, which is neither boundary lineage nor proved")
+    covered = {ob.claim.logical for ob in part.obligations if ob.claim.boundary and ob.id in proved}
+    for name, value in plan.logical.outputs:
+        if value not in covered:
+            problems.append(f"logical output {name!r} is not covered by a proved output stage")
+    problems += state_lineage_problems(plan)
+    return problems
+
+
+def state_lineage_problems(plan: Plan) -> list[str]:
+    """Each updated parameter / optimizer state leaves the step with the lineage it came in with."""
+    def layout(logical: str) -> set:
+        return {(e.where, e.slice, e.partial) for e in plan.lineage if e.logical == logical}
+    out = []
+    for name, _ in plan.logical.outputs:
+        if name.startswith("new/"):
+            before, after = layout(name[4:]), layout(name)
+            if before != after:
+                out.append(f"{name} leaves the step with lineage {sorted(map(str, after))} but {name[4:]} "
+                           f"came in with {sorted(map(str, before))}: the next step would start inconsistent")
+    return out
+
+
+def _batches(tasks: list[SolveTask], size: int) -> Iterator[list[SolveTask]]:
+    for i in range(0, len(tasks), size):
+        yield tasks[i:i + size]
+
+
+def _solve(part: Partition, budget: Budget, executor: Executor, verdicts: dict[str, Verdict], show: bool,
+           keys: dict[str, str]) -> None:
+    """Key every obligation and solve the keys not solved yet (each unique key once)."""
+    tasks: dict[str, SolveTask] = {}
+    for ob in part.obligations:
+        key = formula_key(ob.lhs, ob.rhs)
+        keys[ob.id] = key
+        if key not in verdicts and key not in tasks:
+            tasks[key] = SolveTask.make(key, ob.lhs, ob.rhs)
+    weight = Counter(keys[o.id] for o in part.obligations)
+    counts = Counter()
+    with tqdm(total=sum(weight[k] for k in tasks), disable=not show, unit="obl", desc="solving",
+              file=sys.stderr, dynamic_ncols=True) as bar:
+        bar.set_postfix_str(f"generated {len(part.obligations)} unique {len(tasks)}")
+        for key, verdict in executor.run(_batches(list(tasks.values()), BATCH), budget):
+            verdicts[key] = verdict
+            counts[verdict.verdict] += weight[key]
+            bar.update(weight[key])
+            bar.set_postfix_str(f"unique {len(tasks)} proved {counts['proved']} refuted {counts['refuted']} "
+                                f"unknown {counts['unknown']}")
+
+
+def verify_plan(plan: Plan, *, budget: Budget = Budget(), executor: Executor | None = None,
+                progress: bool | None = None, seed: int = 0) -> Outcome:
+    """Run the whole verification of `plan`; never raises on a failed proof (see `Outcome.status`).
+
+    A claim inferred by value that a stage refutes was a wrong guess (values
+    can agree at every sampled point by structure, like a max that always
+    picks the same column): it is dropped and the stages around it are cut
+    again, up to `REFINE_ROUNDS` times. Boundary claims are never dropped.
+    """
+    phases: dict[str, float] = Counter()
+    t = time.perf_counter()
+    reduction = reduce_plan(plan)
+    phases["reduce"] += time.perf_counter() - t
+    t = time.perf_counter()
+    runs, claims = claims_for(plan, reduction.reduced, seed)
+    phases["claims"] += time.perf_counter() - t
+    executor = executor or LocalExecutor()
+    show = sys.stderr.isatty() if progress is None else progress
+    verdicts: dict[str, Verdict] = {}
+    for _ in range(REFINE_ROUNDS):
+        t = time.perf_counter()
+        part = partition(plan, reduction.reduced, claims)
+        phases["partition"] += time.perf_counter() - t
+        t = time.perf_counter()
+        keys: dict[str, str] = {}
+        _solve(part, budget, executor, verdicts, show, keys)
+        phases["solve"] += time.perf_counter() - t
+        wrong = [o for o in part.obligations if verdicts[keys[o.id]].verdict == "refuted" and not o.claim.boundary]
+        if not wrong:
+            break
+        for ob in wrong:
+            for rank in ob.ranks:
+                claims.pop((rank, ob.tensor), None)
+    proved = {o.id for o in part.obligations if verdicts[keys[o.id]].proved}
+    problems = composition_problems(plan, part, proved)
+    return Outcome(plan, reduction, part, runs, claims, keys, {k: verdicts[k] for k in set(keys.values())},
+                   problems, dict(phases), getattr(executor, "name", type(executor).__name__))
+
+
+__all__ = ["Outcome", "verify_plan", "obligations_of", "claims_for", "composition_problems",
+           "state_lineage_problems"]

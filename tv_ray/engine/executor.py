@@ -1,0 +1,82 @@
+"""Executors: where unique obligations are solved. The engine hands them batches and takes verdicts back.
+
+An executor runs `solve_batch` on batches of `SolveTask`s — each task is one
+unique key with its formula as a flat term table (terms travel as tables, never
+as live objects) — and yields (key, Verdict) as batches finish, keeping at most
+`in_flight` batches outstanding. `LocalExecutor(jobs=1)` solves in this
+process; `jobs > 1` uses a pool of worker processes. The Ray executor (next
+step of the design) implements the same two methods.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import multiprocessing
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Protocol
+
+from tv_ray.engine.solve import Budget, Verdict, solve
+from tv_ray.terms import from_table, to_table
+
+
+@dataclass(frozen=True)
+class SolveTask:
+    key: str
+    table: dict          # to_table(*lhs, *rhs)
+    equations: int
+
+    @staticmethod
+    def make(key: str, lhs, rhs) -> "SolveTask":
+        return SolveTask(key, to_table(*lhs, *rhs), len(lhs))
+
+
+def solve_batch(tasks: list[SolveTask], budget: Budget) -> list[tuple[str, Verdict]]:
+    """Solve every task of a batch (runs inside a worker)."""
+    out = []
+    for task in tasks:
+        roots = from_table(task.table)
+        roots = roots if isinstance(roots, tuple) else (roots,)
+        out.append((task.key, solve(roots[:task.equations], roots[task.equations:], budget)))
+    return out
+
+
+class Executor(Protocol):
+    name: str
+
+    def run(self, batches: Iterable[list[SolveTask]], budget: Budget) -> Iterator[tuple[str, Verdict]]: ...
+
+    def close(self) -> None: ...
+
+
+class LocalExecutor:
+    """Solve here (jobs=1) or in `jobs` worker processes, at most `in_flight` batches outstanding."""
+
+    def __init__(self, jobs: int = 1, in_flight: int | None = None):
+        self.jobs = max(1, jobs)
+        self.in_flight = in_flight or 2 * self.jobs
+        self.name = f"local({self.jobs})"
+        self._pool: cf.ProcessPoolExecutor | None = None
+
+    def run(self, batches: Iterable[list[SolveTask]], budget: Budget) -> Iterator[tuple[str, Verdict]]:
+        if self.jobs == 1:
+            for batch in batches:
+                yield from solve_batch(batch, budget)
+            return
+        if self._pool is None:
+            self._pool = cf.ProcessPoolExecutor(self.jobs, mp_context=multiprocessing.get_context("fork"))
+        pending: set[cf.Future] = set()
+        for batch in batches:
+            if len(pending) >= self.in_flight:
+                done, pending = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
+                for f in done:
+                    yield from f.result()
+            pending.add(self._pool.submit(solve_batch, batch, budget))
+        for f in cf.as_completed(pending):
+            yield from f.result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+            self._pool = None
+
+
+__all__ = ["SolveTask", "solve_batch", "Executor", "LocalExecutor"]

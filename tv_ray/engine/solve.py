@@ -1,0 +1,140 @@
+"""Solving one unique obligation through the tiers: normalise (0), random points (1), SMT portfolio (2).
+
+An obligation is a list of equations ``lhs[i] == rhs[i]``. Tier 0 proves the
+equations whose normal forms agree; tier 1 looks for a point where one of the
+rest fails (a counterexample at once); tier 2 races the solvers on each
+equation still open. The verdict is `proved` only when every equation was
+proved by a tier that proves; `refuted` when one equation has a replayed
+counterexample; otherwise `unknown` with the reason — never a guess.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Sequence
+
+from tv_ray.smt import prove_with_record
+from tv_ray.terms import Refuted, Term, refute
+from tv_ray.terms.normal import NormaliseError, Normaliser, term_of
+from tv_ray.terms.onehot import consistent
+from tv_ray.terms.term import to_str
+
+TIERS = ("normalise", "random", "smt")
+
+
+@dataclass
+class Verdict:
+    """How one unique key was discharged."""
+
+    verdict: str                     # proved | refuted | unknown
+    tier: int                        # the highest tier that was needed (0, 1, 2)
+    method: str                      # normalised | random-point | smt:<solver> | mixed:...
+    seconds: float = 0.0
+    axioms: tuple[str, ...] = ()
+    reason: str = ""
+    element: int | None = None       # for a refutation: which equation
+    point: dict[str, str] = field(default_factory=dict)   # for a refutation: variable -> exact value
+    values: tuple[str, str] = ("", "")                     # lhs, rhs there
+
+    @property
+    def proved(self) -> bool:
+        return self.verdict == "proved"
+
+    def to_json(self) -> dict:
+        out = {"verdict": self.verdict, "tier": self.tier, "method": self.method, "seconds": round(self.seconds, 6)}
+        if self.axioms:
+            out["axioms"] = list(self.axioms)
+        if self.reason:
+            out["reason"] = self.reason
+        if self.element is not None:
+            out.update(element=self.element, point=self.point, values=list(self.values))
+        return out
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Which tiers may run and how long a solver may take per equation."""
+
+    solvers: tuple[str, ...] = ("z3", "cvc5", "yices")
+    timeout_s: float = 10.0
+    tiers: tuple[int, ...] = (0, 1, 2)
+    points: int = 4
+    seed: int = 0
+
+
+def _refuted(i: int, r: Refuted, tier: int, method: str, started: float) -> Verdict:
+    return Verdict("refuted", tier, method, time.perf_counter() - started, element=i,
+                   point={k: str(v) for k, v in sorted(r.point.items())},
+                   values=(_fmt(r.lhs_value), _fmt(r.rhs_value)))
+
+
+def _fmt(v) -> str:
+    if isinstance(v, Fraction):
+        return str(v)
+    return str(v)[:40]
+
+
+def solve(lhs: Sequence[Term], rhs: Sequence[Term], budget: Budget = Budget()) -> Verdict:
+    """The verdict of ``lhs[i] == rhs[i] for all i`` (over the reals, for every value of every variable)."""
+    started = time.perf_counter()
+    open_ = list(range(len(lhs)))
+    axioms: set[str] = set()
+    methods: set[str] = set()
+    tier = 0
+    if 0 in budget.tiers:
+        norm = Normaliser()
+        still = []
+        for i in open_:
+            try:
+                equal = norm.normalise(lhs[i]) == norm.normalise(rhs[i])
+            except NormaliseError:
+                equal = False
+            if not equal:
+                still.append(i)
+        if len(still) < len(open_):
+            methods.add("normalised")
+            axioms |= set(norm.axioms)
+        open_ = still
+    if open_ and 1 in budget.tiers:
+        tier = 1
+        for i in open_:
+            r = refute(lhs[i], rhs[i], points=budget.points, seed=budget.seed)
+            if isinstance(r, Refuted):
+                return _refuted(i, r, 1, "random-point", started)
+    reasons: list[str] = []
+    if open_ and 2 in budget.tiers:
+        tier = 2
+        still = []
+        for i in open_:
+            result, _ = prove_with_record(lhs[i], rhs[i], (), budget.solvers, budget.timeout_s)
+            if result.proved:
+                methods.add(result.method)
+                axioms |= set(result.axioms)
+            elif isinstance(result, Refuted) and consistent(result.point):
+                return _refuted(i, result, 2, "smt", started)
+            else:
+                still.append(i)
+                reasons.append(getattr(result, "reason", "a solver model that is not a valid data assignment"))
+        open_ = still
+    seconds = time.perf_counter() - started
+    method = "+".join(sorted(methods)) or "none"
+    if not open_:
+        return Verdict("proved", tier, method, seconds, tuple(sorted(axioms)))
+    i = open_[0]
+    why = reasons[0] if reasons else "normal forms differ and no counterexample was found"
+    return Verdict("unknown", tier, method, seconds, tuple(sorted(axioms)),
+                   reason=f"{len(open_)} of {len(lhs)} equation(s) open; equation {i}: {why}", element=None)
+
+
+def normal_difference(lhs: Term, rhs: Term, max_chars: int = 300) -> str:
+    """lhs − rhs in normal form, for reports."""
+    norm = Normaliser()
+    try:
+        diff = norm.normalise(lhs - rhs)
+    except NormaliseError as e:
+        return f"(no normal form: {e})"
+    return to_str(term_of(diff), max_chars=max_chars)
+
+
+__all__ = ["Verdict", "Budget", "solve", "TIERS", "normal_difference"]

@@ -1,0 +1,309 @@
+"""Claims: which logical slice (or partial sum) each physical tensor holds — boundary lineage, or inferred at a random point.
+
+A claim says ``physical tensor t on rank r == logical T[offsets : offsets + t.shape]``,
+or, with `partial` axes, that the sum of t over the rank's group along those
+axes equals that slice. Program inputs and outputs take their claims from the
+plan's boundary lineage. Every other float tensor is matched by value: the
+plan and the logical graph run once, concretely, on the same random inputs
+(float64, at the reduced dims), and a physical tensor that equals a slice of
+a logical tensor — or whose group sum does — is claimed to. A claim found
+this way is only a guess: it becomes an obligation and is proved like any
+other. Tensors with no claim are interior to a stage.
+
+Matching prefers the logical node the physical op says it realises (meta
+``realises``), then the earliest equal value in logical order (later equal
+values are copies of it).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tv_ray.execute import Scheduler
+from tv_ray.ir import Graph, Node
+from tv_ray.plan import Plan
+from tv_ray.semantics import eval_node
+from tv_ray.simulate import draw_inputs
+
+RTOL = 1e-9
+INPUT_SCALE = 0.25
+
+
+@dataclass(frozen=True)
+class Claim:
+    """``tensor == logical[offsets:offsets+shape]`` (summed over the group along `partial` axes)."""
+
+    logical: str
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    partial: tuple[str, ...] = ()
+    boundary: bool = False      # from the plan's lineage (an input: assumed; an output: required)
+
+    def slices(self) -> tuple:
+        """The index of the slice (0-d tensors included: the result stays an array)."""
+        return tuple(slice(o, o + n) for o, n in zip(self.offsets, self.shape)) + (Ellipsis,)
+
+    def describe(self, full_shape: tuple[int, ...] | None = None) -> str:
+        if full_shape is not None and tuple(self.shape) == tuple(full_shape):
+            where = self.logical
+        else:
+            where = f"{self.logical}[{', '.join(f'{o}:{o + n}' for o, n in zip(self.offsets, self.shape))}]"
+        return f"{where} (sum over {'×'.join(self.partial)})" if self.partial else where
+
+    def to_json(self) -> dict:
+        out = {"logical": self.logical, "offsets": list(self.offsets), "shape": list(self.shape)}
+        if self.partial:
+            out["partial"] = list(self.partial)
+        return out
+
+
+@dataclass
+class ConcreteRun:
+    """Every value of one concrete run: logical tensors by name, each rank's tensors, and the execution order."""
+
+    dims: dict[str, int]
+    logical: dict[str, np.ndarray]
+    ranks: list[dict[str, np.ndarray]]
+    order: list[tuple[int, str]] = field(default_factory=list)   # (rank, tensor) as produced
+
+
+class _Recorder(Scheduler):
+    def __init__(self, plan, dims, rank_inputs):
+        super().__init__(plan, dims, rank_inputs, keep=True)
+        self.order: list[tuple[int, str]] = []
+
+    def _advance(self, state, node, value):
+        self.order.append((state.rank, node.name))
+        super()._advance(state, node, value)
+
+
+def run_logical(graph: Graph, dims: dict[str, int], inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every value of the logical graph (inputs included)."""
+    values = dict(inputs)
+    for node in graph.nodes:
+        values[node.name] = eval_node(node, [values[a] for a in node.args], dims)
+    return values
+
+
+def boundary_inputs(plan: Plan, logical: dict[str, np.ndarray]) -> tuple[list[dict], dict[tuple[int, str], Claim]]:
+    """Each rank's program inputs sliced from the logical values, and the input claims they rest on."""
+    names, ids = plan.rank_programs()
+    values: list[dict[str, np.ndarray]] = [{} for _ in range(plan.num_ranks)]
+    claims: dict[tuple[int, str], Claim] = {}
+    inputs = {name: {spec.name for spec in plan.programs[name].inputs} for name in names}
+    for entry in plan.lineage:
+        for rank in (int(r) for r in np.flatnonzero(plan.selects(entry))):
+            if entry.tensor not in inputs[names[ids[rank]]]:
+                continue
+            full = logical[entry.logical]
+            bounds = plan.slice_bounds(entry, rank, full.shape)
+            claim = Claim(entry.logical, tuple(a for a, _ in bounds), tuple(b - a for a, b in bounds), (), True)
+            claims[rank, entry.tensor] = claim
+            values[rank][entry.tensor] = full[claim.slices()].copy()
+    return values, claims
+
+
+def output_claims(plan: Plan, logical_shapes: dict[str, tuple[int, ...]]) -> dict[tuple[int, str], Claim]:
+    """The claims the plan's output lineage requires, keyed by (rank, program tensor)."""
+    names, ids = plan.rank_programs()
+    out: dict[tuple[int, str], Claim] = {}
+    value_of = plan.logical.output_map
+    for entry in plan.lineage:
+        tensor_name = value_of.get(entry.logical, entry.logical)
+        for rank in (int(r) for r in np.flatnonzero(plan.selects(entry))):
+            program = plan.programs[names[ids[rank]]]
+            if entry.tensor in {spec.name for spec in program.inputs}:
+                continue
+            tensor = program.output_map[entry.tensor]
+            bounds = plan.slice_bounds(entry, rank, logical_shapes[tensor_name])
+            out[rank, tensor] = Claim(tensor_name, tuple(a for a, _ in bounds), tuple(b - a for a, b in bounds),
+                                      tuple(entry.partial), True)
+    return out
+
+
+def run_concrete(plan: Plan, dims: dict[str, int], seed: int = 0,
+                 digit: int | None = None) -> tuple[ConcreteRun, dict[tuple[int, str], Claim]]:
+    """Run the logical graph and every rank on one random point, keeping all values.
+
+    With `digit` k, every int input holds at flat position i the k-th digit of
+    i in base `high`: over runs k = 0, 1, ... any two positions differ in some
+    run, so equal values that stem from equal data do not survive them all.
+    """
+    rng = np.random.default_rng(seed)
+    inputs = draw_inputs(plan.logical, dims, rng)
+    for spec in plan.logical.inputs:        # small weights: no saturated softmax, no gradients at 1e-19
+        if spec.dtype == "float" and not spec.positive and spec.role != "step":
+            inputs[spec.name] = inputs[spec.name] * INPUT_SCALE
+    if digit is not None:
+        for spec in plan.logical.inputs:
+            if spec.dtype == "int" and spec.high is not None:
+                high = spec.high.eval(dims) if hasattr(spec.high, "eval") else int(spec.high)
+                value = inputs[spec.name]
+                inputs[spec.name] = ((np.arange(value.size) // high ** digit) % high).reshape(value.shape)
+    logical = run_logical(plan.logical, dims, inputs)
+    rank_inputs, in_claims = boundary_inputs(plan, logical)
+    recorder = _Recorder(plan, dims, rank_inputs)
+    recorder.run()
+    return ConcreteRun(dims, logical, [r.env for r in recorder.ranks], recorder.order), in_claims
+
+
+class LogicalIndex:
+    """Find logical tensors containing a value: all float logical elements sorted once."""
+
+    def __init__(self, values: dict[str, np.ndarray], eligible: list[str]):
+        self.names = eligible
+        self.values = values
+        chunks, owners, flats = [], [], []
+        for i, name in enumerate(eligible):
+            v = values[name].astype(np.float64).reshape(-1)
+            chunks.append(v)
+            owners.append(np.full(v.size, i, dtype=np.int32))
+            flats.append(np.arange(v.size, dtype=np.int64))
+        allv = np.concatenate(chunks) if chunks else np.zeros(0)
+        order = np.argsort(allv, kind="stable")
+        self.sorted = allv[order]
+        self.owner = np.concatenate(owners)[order] if chunks else np.zeros(0, dtype=np.int32)
+        self.flat = np.concatenate(flats)[order] if chunks else np.zeros(0, dtype=np.int64)
+
+    def near(self, x: float) -> list[tuple[str, int]]:
+        tol = RTOL * max(1.0, abs(x))
+        lo = np.searchsorted(self.sorted, x - tol, "left")
+        hi = np.searchsorted(self.sorted, x + tol, "right")
+        return [(self.names[self.owner[i]], int(self.flat[i])) for i in range(lo, min(hi, lo + 64))]
+
+
+def _anchor(value: np.ndarray) -> int | None:
+    """The flat index of a distinctive element (not 0, ±1 or an integer), or None for a constant-looking tensor."""
+    flat = value.reshape(-1)
+    finite = np.isfinite(flat)
+    ok = finite & (np.abs(np.where(finite, flat, 0) - np.round(np.where(finite, flat, 0))) > 1e-6)
+    if not ok.any():
+        return None
+    candidates = np.flatnonzero(ok)
+    return int(candidates[np.argmax(np.abs(flat[candidates]))])
+
+
+def runs_for(plan: Plan, dims: dict[str, int], seed: int = 0) -> tuple[list[ConcreteRun], dict]:
+    """One random run and enough digit-pattern runs that every pair of int data positions differs in one."""
+    first, claims = run_concrete(plan, dims, seed)
+    n = max([int(np.prod(v.shape)) for s, v in first.logical.items()
+             if s in {i.name for i in plan.logical.inputs if i.dtype == "int"}] or [1])
+    highs = [i.high.eval(dims) if hasattr(i.high, "eval") else int(i.high)
+             for i in plan.logical.inputs if i.dtype == "int" and i.high is not None]
+    digits = 0 if not highs else max(1, int(np.ceil(np.log(max(n, 2)) / np.log(max(2, min(highs))))))
+    runs = [first] + [run_concrete(plan, dims, seed + 1 + k, digit=k)[0] for k in range(digits)]
+    return runs, claims
+
+
+def candidates(value: np.ndarray, index: LogicalIndex) -> list[Claim]:
+    """Every slice of a logical tensor equal to `value` (at this run's point)."""
+    if value.dtype.kind != "f" or value.size == 0:
+        return []
+    at = _anchor(value)
+    if at is None:
+        return []
+    pos = np.unravel_index(at, value.shape)
+    found: list[Claim] = []
+    for name, flat in index.near(float(value.reshape(-1)[at])):
+        full = index.values[name]
+        if full.ndim != value.ndim:
+            continue
+        fpos = np.unravel_index(flat, full.shape)
+        offsets = tuple(int(a - b) for a, b in zip(fpos, pos))
+        if any(o < 0 or o + n > m for o, n, m in zip(offsets, value.shape, full.shape)):
+            continue
+        claim = Claim(name, offsets, tuple(value.shape))
+        if _equal(full[claim.slices()], value):
+            found.append(claim)
+    return found
+
+
+def _equal(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and bool(np.allclose(a, b, rtol=RTOL, atol=1e-12))
+
+
+class _Matcher:
+    """Claims that hold in every run: the first run proposes, the others (other data) confirm.
+
+    Reduced shapes make coincidences common (with a vocabulary of 2, batch rows
+    that start with the same token are equal at position 0); a slice that is
+    equal in runs with different data is the real correspondence.
+    """
+
+    def __init__(self, plan: Plan, runs: list[ConcreteRun], eligible: list[str]):
+        self.plan, self.runs = plan, runs
+        self.index = [LogicalIndex(run.logical, eligible) for run in runs]
+        self.order = {name: i for i, name in enumerate([s.name for s in plan.logical.inputs] +
+                                                       [n.name for n in plan.logical.nodes])}
+
+    def value(self, run: ConcreteRun, members: tuple[int, ...], tensor: str) -> np.ndarray | None:
+        values = [run.ranks[m].get(tensor) for m in members]
+        if any(v is None or v.shape != values[0].shape for v in values):
+            return None
+        return values[0] if len(values) == 1 else np.sum(values, axis=0)
+
+    def best(self, members: tuple[int, ...], tensor: str, prefer: str | None) -> Claim | None:
+        """The claim that holds in every run, proposed by the first run whose value is not degenerate there
+        (equal tokens make some gradients exactly zero for that data)."""
+        values = [self.value(run, members, tensor) for run in self.runs]
+        if any(v is None for v in values):
+            return None
+        for proposer, value in enumerate(values):
+            found = candidates(value, self.index[proposer])
+            if found:
+                break
+        else:
+            return None
+        found = [c for c in found if all(_equal(run.logical[c.logical][c.slices()], v)
+                                         for run, v in zip(self.runs, values))]
+        if not found:
+            return None
+        rank = lambda c: (c.logical == prefer, -self.order.get(c.logical, -1))   # noqa: E731
+        top = max(rank(c) for c in found)
+        best = [c for c in found if rank(c) == top]
+        return best[0] if len(best) == 1 else None     # still ambiguous: leave it interior
+
+
+def infer_claims(plan: Plan, runs: list[ConcreteRun], fixed: dict[tuple[int, str], Claim],
+                 eligible: list[str]) -> dict[tuple[int, str], Claim]:
+    """Claims for every float tensor a rank produces: boundary ones as given, others matched by value."""
+    matcher = _Matcher(plan, runs, eligible)
+    names, ids = plan.rank_programs()
+    nodes: dict[str, dict[str, Node]] = {n: {node.name: node for node in plan.programs[n].nodes} for n in names}
+    claims = dict(fixed)
+    unmatched: list[tuple[int, str]] = []
+    for rank, tensor in runs[0].order:
+        if (rank, tensor) in claims:
+            continue
+        node = nodes[names[ids[rank]]][tensor]
+        if node.dtype != "float" or tensor not in runs[0].ranks[rank]:
+            continue
+        claim = matcher.best((rank,), tensor, node.get_meta("realises"))
+        if claim is not None:
+            claims[rank, tensor] = claim
+        else:
+            unmatched.append((rank, tensor))
+    axes = [a for a, n in plan.mesh if n > 1]
+    subsets = [s for k in range(1, len(axes) + 1) for s in itertools.combinations(axes, k)]
+    tried: set[tuple] = set()
+    for rank, tensor in unmatched:
+        if (rank, tensor) in claims:
+            continue
+        node = nodes[names[ids[rank]]][tensor]
+        for subset in subsets:
+            members = tuple(plan.group(rank, subset))
+            if (members, tensor) in tried or any((m, tensor) in claims for m in members):
+                continue
+            tried.add((members, tensor))
+            claim = matcher.best(members, tensor, node.get_meta("realises"))
+            if claim is not None:
+                for m in members:
+                    claims[m, tensor] = Claim(claim.logical, claim.offsets, claim.shape, subset)
+                break
+    return claims
+
+
+__all__ = ["Claim", "ConcreteRun", "run_concrete", "infer_claims", "output_claims", "boundary_inputs",
+           "run_logical", "LogicalIndex", "candidates"]
