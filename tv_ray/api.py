@@ -1,4 +1,4 @@
-"""The Python API: capture a model's training step, parallelize it into a plan, simulate the plan.
+"""The Python API: capture a model's training step, parallelize it into a plan, simulate it, verify it.
 
 Example::
 
@@ -7,10 +7,15 @@ Example::
     plan = tv_ray.parallelize(graph, "dp=2,tp=2,pp=2,mb=2", model="llama3-tiny", sp=True)
     plan.save("plan.json")
     print(tv_ray.simulate(plan, seed=0).max_abs_dev())
+    result = tv_ray.verify(plan, jobs=2)
+    result.proved, result.save("out/")
 """
 from __future__ import annotations
 
-from typing import Mapping
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Mapping
 
 from tv_ray.errors import CaptureError, ParallelConfigError
 from tv_ray.frontend.capture import capture
@@ -21,6 +26,9 @@ from tv_ray.parallel.recipe import parallelize as _parallelize
 from tv_ray.parallel.spec import ParallelSpec
 from tv_ray.plan import Plan
 from tv_ray.simulate import simulate
+
+if TYPE_CHECKING:
+    from tv_ray.engine.driver import Outcome
 
 
 def _spec(model: str | ModelSpec, dims: Mapping[str, int] | None, tied: bool | None) -> ModelSpec:
@@ -72,4 +80,80 @@ def parallelize(graph: Graph, spec: str | ParallelSpec, *, model: str | ModelSpe
     return _parallelize(graph, spec, dict(dims or {}), name, layers=layers)
 
 
-__all__ = ["capture", "capture_step", "parallelize", "simulate", "Plan", "ParallelSpec"]
+@dataclass
+class Result:
+    """The outcome of `verify`: `.proved`, `.status` (proved / refuted / unknown), the report, and `.save`."""
+
+    outcome: "Outcome"
+    report: dict
+    settings: dict
+    plan_path: str | None = None
+    certificate: dict | None = field(default=None)
+
+    @property
+    def status(self) -> str:
+        return self.report["status"]
+
+    @property
+    def proved(self) -> bool:
+        return self.status == "proved"
+
+    @property
+    def counterexample(self) -> dict | None:
+        """The first failing stage with its replayed values, when refuted."""
+        return self.report.get("stage") if self.status == "refuted" else None
+
+    def save(self, out: str | Path) -> Path:
+        """Write OUT/certificate.json + obligations.parquet (proved) or OUT/report.json (otherwise)."""
+        from tv_ray.certificate.write import obligation_table, write_certificate
+        import pyarrow.parquet as pq
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        if self.proved:
+            self.certificate = write_certificate(self.outcome, out, self.plan_path, self.settings)
+            (out / "report.json").unlink(missing_ok=True)
+            return out / "certificate.json"
+        pq.write_table(obligation_table(self.outcome), out / "obligations.parquet", compression="zstd")
+        (out / "certificate.json").unlink(missing_ok=True)
+        (out / "report.json").write_text(json.dumps(self.report, indent=1, default=str) + "\n")
+        return out / "report.json"
+
+
+def verify(model_or_plan, parallel: str | None = None, *, optim: str = "adamw", clip: float | None = 1.0,
+           sp: bool = False, zero: int = 0, solvers=("z3", "cvc5", "yices"), timeout: float = 10.0,
+           jobs: int = 1, progress: bool | None = None, seed: int = 0, executor=None) -> Result:
+    """Prove that a plan computes the single-device training step, or find where it does not.
+
+    `model_or_plan` is a `Plan`, a plan file path, or a built-in model name (then
+    `parallel` is required and the plan is built with `optim`, `clip`, `sp`, `zero`)::
+
+        result = tv_ray.verify("llama3-tiny", "dp=2,tp=2", jobs=2)
+        assert result.proved
+        result.save("out")          # out/certificate.json, out/obligations.parquet, out/plan.json
+    """
+    from tv_ray.diagnose import diagnose
+    from tv_ray.engine.driver import verify_plan
+    from tv_ray.engine.executor import LocalExecutor
+    from tv_ray.engine.solve import Budget
+    plan_path = None
+    if isinstance(model_or_plan, Plan):
+        plan = model_or_plan
+    elif isinstance(model_or_plan, (str, Path)) and str(model_or_plan).endswith(".json"):
+        plan_path = str(Path(model_or_plan).resolve())
+        plan = Plan.load(model_or_plan)
+    else:
+        if parallel is None:
+            raise ParallelConfigError("verify a model by name needs parallel=..., e.g. 'dp=2,tp=2'")
+        graph = capture_step(model_or_plan, optim=optim, clip=clip)
+        plan = parallelize(graph, parallel, model=model_or_plan, sp=sp, zero=zero)
+    budget = Budget(solvers=tuple(solvers), timeout_s=timeout, seed=seed)
+    executor = executor or LocalExecutor(jobs)
+    try:
+        outcome = verify_plan(plan, budget=budget, executor=executor, progress=progress, seed=seed)
+    finally:
+        executor.close()
+    settings = {"solvers": list(solvers), "timeout_s": timeout, "jobs": jobs, "seed": seed}
+    return Result(outcome, diagnose(outcome), settings, plan_path)
+
+
+__all__ = ["capture", "capture_step", "parallelize", "simulate", "verify", "Result", "Plan", "ParallelSpec"]

@@ -1,10 +1,13 @@
-"""The `tv-ray` command: list models, build plans, simulate plans.
+"""The `tv-ray` command: list models, build plans, simulate plans, verify them, check certificates.
 
 Examples::
 
     tv-ray models
     tv-ray plan --model llama3-tiny --parallel dp=2,tp=2,pp=2,mb=2 --sp --optim adamw --clip 1.0 -o plan.json
     tv-ray run plan.json --seed 0
+    tv-ray verify plan.json -o out --jobs 2
+    tv-ray check out
+    tv-ray explain out
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from pathlib import Path
 
 from tv_ray.errors import TvRayError
 from tv_ray.models import cmd_models, list_models
+from tv_ray.commands import add_parsers
 from tv_ray.simulate import add_run_parser, parse_dims
 
 
@@ -63,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("-o", "--output", required=True, help="where to write the plan JSON")
     plan.set_defaults(func=cmd_plan)
     add_run_parser(sub)
+    add_parsers(sub)
     return parser
 
 

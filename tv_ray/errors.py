@@ -36,3 +36,8 @@ class ParallelConfigError(TvRayError):
 
 class SimulationError(TvRayError):
     """Executing a plan's programs failed (deadlock, mismatched collectives, …)."""
+
+
+class CertificateError(TvRayError):
+    """A certificate does not check: a changed byte, a missing or altered obligation, a plan edited after
+    verification, a composition that does not hold, or a key the checker could not re-prove."""

