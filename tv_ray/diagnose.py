@@ -16,6 +16,8 @@ division.
 """
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from tv_ray.engine.driver import Outcome
@@ -76,6 +78,23 @@ def _factor(physical: np.ndarray, logical: np.ndarray) -> str | None:
     if np.allclose(diff, c, rtol=1e-6, atol=1e-12) and abs(c) > 1e-9:
         note = " (= log 2)" if abs(c - np.log(2)) < 1e-6 else ""
         return f"physical = logical + {c:.6g}{note}"
+    return None
+
+
+def _missing_reduction(outcome: Outcome, ob: Obligation, run: ConcreteRun, logical: np.ndarray) -> str | None:
+    """'physical is a partial sum over dp' when summing it over a mesh group gives the logical value."""
+    plan = outcome.plan
+    axes = [a for a, n in plan.mesh if n > 1 and a not in ob.claim.partial]
+    for k in range(1, len(axes) + 1):
+        for subset in itertools.combinations(axes, k):
+            members = tuple(sorted({m for r in ob.ranks for m in plan.group(r, ob.claim.partial + subset)}))
+            total = _physical(run, members, ob.tensor)
+            if total is not None and total.shape == logical.shape and np.allclose(total, logical, rtol=1e-7,
+                                                                                   atol=1e-12):
+                what = "×".join(subset)
+                return (f"physical is one rank's partial sum over {what}: summed over the {what} group it equals "
+                        f"the logical value — a reduction (all-reduce / reduce-scatter) over {what} is missing "
+                        f"or was applied too early")
     return None
 
 
@@ -168,7 +187,8 @@ def _stage_report(outcome: Outcome, ob: Obligation) -> dict:
     if best is not None:
         dev, i, p, logical = best
         out.update(run=i, max_abs_dev=dev, physical_values=_values(p), logical_values=_values(logical))
-        factor = _factor(np.asarray(p, dtype=np.float64), np.asarray(logical, dtype=np.float64))
+        factor = _factor(np.asarray(p, dtype=np.float64), np.asarray(logical, dtype=np.float64)) or \
+            _missing_reduction(outcome, ob, outcome.runs[i], logical)
         if factor:
             out["factor"] = factor
         run = outcome.runs[i]

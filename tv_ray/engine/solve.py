@@ -92,6 +92,11 @@ def solve(lhs: Sequence[Term], rhs: Sequence[Term], budget: Budget = Budget()) -
                 equal = False
             if not equal:
                 still.append(i)
+                if 1 in budget.tiers and len(still) == 1:
+                    # the first equation the normaliser cannot close: a counterexample now saves the rest
+                    r = refute(lhs[i], rhs[i], points=budget.points, seed=budget.seed)
+                    if isinstance(r, Refuted):
+                        return _refuted(i, r, 1, "random-point", started)
         if len(still) < len(open_):
             methods.add("normalised")
             axioms |= set(norm.axioms)

@@ -41,6 +41,7 @@ from tv_ray.semantics.table import instantiate_shape
 from tv_ray.terms import Kind, Term, postorder, substitute, sum_, var
 
 EXPAND_ROUNDS = 24
+EXPAND_GROWTH, EXPAND_SLACK = 3, 1000      # stop unfolding past 3x the formula's size + 1000 nodes
 SHAPE_ONLY = frozenset({Op.FULL_LIKE})      # reads only its input's shape
 INFINITE = frozenset({INF, NEG_INF})
 DERIVE_DEPTH = 24
@@ -300,6 +301,10 @@ def _logical_atoms(terms: list[Term], logical: LogicalTerms) -> set[str]:
     return out
 
 
+def _size(terms: list[Term]) -> int:
+    return len(postorder(*terms))
+
+
 def expand(lhs: list[Term], rhs: list[Term], logical: LogicalTerms) -> tuple[list[Term], list[Term]]:
     """Unfold logical atoms of a tensor that is computed from another tensor the formula also mentions.
 
@@ -309,7 +314,10 @@ def expand(lhs: list[Term], rhs: list[Term], logical: LogicalTerms) -> tuple[lis
     Replacing W's atoms by W's definition is the logical graph's own equation,
     so the obligation stays equivalent to the claim; latest tensor first.
     """
+    budget = EXPAND_GROWTH * _size(lhs + rhs) + EXPAND_SLACK
     for _ in range(EXPAND_ROUNDS):
+        if _size(lhs + rhs) > budget:
+            break        # unfolding further would not close it: a real difference (a bug) or a gap
         left, right = _logical_atoms(lhs, logical), _logical_atoms(rhs, logical)
         present, differ = left | right, left ^ right
         if not differ:

@@ -48,7 +48,7 @@ _FACTOR_LIMIT = 10 ** 6  # trial-divide log constants below this; larger ones st
 
 
 class NormaliseError(TermError):
-    """The term has no normal form (division by zero, log of zero)."""
+    """The term has no normal form (division by zero, log of zero), or computing it exceeds the budget."""
 
 
 # -- polynomial arithmetic ---------------------------------------------------------------------
@@ -88,7 +88,15 @@ def _p_add(ps: list[Poly]) -> Poly:
     return {m: c for m, c in acc.items() if c != 0}
 
 
+MAX_WORK = 20_000   # monomial products per normalise call; beyond it the expansion is not worth finishing
+_work = [0]          # products done in the current normalise call (reset by Normaliser.normalise)
+
+
 def _p_mul2(p: Poly, q: Poly) -> Poly:
+    _work[0] += len(p) * len(q)
+    if _work[0] > MAX_WORK:
+        raise NormaliseError(f"expanding products exceeds the normaliser's budget of {MAX_WORK} monomial "
+                             f"products")
     acc: dict[Mono, Fraction] = {}
     for m1, c1 in p.items():
         for m2, c2 in q.items():
@@ -158,7 +166,10 @@ class Normaliser:
         }
 
     def normalise(self, term: Term) -> Poly:
-        """The normal form of `term` (expanded: no inverse atom to a negative power)."""
+        """The normal form of `term` (expanded: no inverse atom to a negative power).
+
+        Raises NormaliseError past `MAX_WORK` monomial products (an exploding expansion is unknown, not slow)."""
+        _work[0] = 0
         memo = self.memo
         for node in postorder(term):
             if node not in memo:

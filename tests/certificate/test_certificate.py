@@ -1,0 +1,106 @@
+"""Certificates: a proved run writes one, `tv-ray check` re-validates it, and any tampering fails with a named cause."""
+import json
+import shutil
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tv_ray import api
+from tv_ray.certificate import check_certificate
+from tv_ray.certificate.write import manifest_digest, sha256_file
+from tv_ray.cli import main
+from tv_ray.errors import CertificateError
+
+
+@pytest.fixture(scope="module")
+def certified(tmp_path_factory):
+    graph = api.capture_step("llama3-tiny", optim="adamw", clip=1.0)
+    plan = api.parallelize(graph, "dp=2", model="llama3-tiny")
+    result = api.verify(plan, progress=False)
+    assert result.proved, result.report["headline"]
+    out = tmp_path_factory.mktemp("cert")
+    result.save(out)
+    return out
+
+
+@pytest.fixture
+def cert(certified, tmp_path):
+    copy = tmp_path / "cert"
+    shutil.copytree(certified, copy)
+    return copy
+
+
+def _rewrite(cert, edit, refresh_hashes: bool):
+    """Edit the obligation table; with refresh_hashes also fix the manifest's digests (a careful forger)."""
+    rows = pq.read_table(cert / "obligations.parquet")
+    table = edit(rows)
+    pq.write_table(table, cert / "obligations.parquet", compression="zstd")
+    if refresh_hashes:
+        manifest = json.loads((cert / "certificate.json").read_text())
+        manifest["obligations"]["sha256"] = sha256_file(cert / "obligations.parquet")
+        manifest["manifest_sha256"] = manifest_digest(manifest)
+        (cert / "certificate.json").write_text(json.dumps(manifest))
+
+
+def _flip_first_verdict(table):
+    verdicts = table.column("verdict").to_pylist()
+    verdicts[0] = "refuted"
+    return table.set_column(table.schema.get_field_index("verdict"), "verdict", pa.array(verdicts))
+
+
+def test_a_fresh_certificate_checks(cert):
+    report = check_certificate(cert, sample=25)
+    assert report.resolved == 25 and report.obligations > 1000
+    manifest = json.loads((cert / "certificate.json").read_text())
+    assert manifest["counts"]["proved"] == manifest["counts"]["obligations"]
+    assert manifest["plan"]["path"] == "plan.json" and manifest["reduction"]["reduced"]["batch"] == 4
+
+
+def test_a_flipped_verdict_changes_the_table_hash(cert):
+    _rewrite(cert, _flip_first_verdict, refresh_hashes=False)
+    with pytest.raises(CertificateError, match="obligations.parquet: sha256 does not match the manifest; "
+                                               "the obligation table was changed"):
+        check_certificate(cert, sample=1)
+
+
+def test_a_flipped_verdict_with_fixed_hashes_is_still_caught(cert):
+    _rewrite(cert, _flip_first_verdict, refresh_hashes=True)
+    first = pq.read_table(cert / "obligations.parquet").column("id")[0].as_py()
+    with pytest.raises(CertificateError, match=f"obligation {first} is recorded as refuted; a certificate needs "
+                                               f"every obligation proved"):
+        check_certificate(cert, sample=1)
+
+
+def test_a_deleted_row_is_named(cert):
+    first = pq.read_table(cert / "obligations.parquet").column("id")[0].as_py()
+    _rewrite(cert, lambda t: t.slice(1), refresh_hashes=True)
+    with pytest.raises(CertificateError, match=f"obligation {first} .* is missing from obligations.parquet"):
+        check_certificate(cert, sample=1)
+
+
+def test_a_plan_edited_after_verification_fails(cert):
+    plan = json.loads((cert / "plan.json").read_text())
+    plan["lineage"] = plan["lineage"][::-1]
+    (cert / "plan.json").write_text(json.dumps(plan))
+    with pytest.raises(CertificateError, match="plan.json: sha256 does not match the certificate; the plan was "
+                                               "changed after verification"):
+        check_certificate(cert, sample=1)
+
+
+def test_an_edited_manifest_fails(cert):
+    manifest = json.loads((cert / "certificate.json").read_text())
+    manifest["axioms"] = []
+    (cert / "certificate.json").write_text(json.dumps(manifest))
+    with pytest.raises(CertificateError, match="manifest_sha256 does not match the manifest's content"):
+        check_certificate(cert, sample=1)
+
+
+def test_check_and_explain_commands(cert, capsys):
+    assert main(["check", str(cert), "--sample", "5"]) == 0
+    assert "tv-ray check: OK" in capsys.readouterr().out
+    assert main(["explain", str(cert)]) == 0
+    assert "PROVED" in capsys.readouterr().out
+    _rewrite(cert, _flip_first_verdict, refresh_hashes=False)
+    assert main(["check", str(cert), "--sample", "5"]) == 1
+    assert "FAILED" in capsys.readouterr().err

@@ -1,0 +1,45 @@
+"""The tiers on single obligations: what each proves, refutes, or leaves open — and why."""
+from tv_ray.engine.solve import Budget, solve
+from tv_ray.terms import exp, log, max_, sum_, var
+from tv_ray.terms.onehot import indicator
+
+x, y, z = var("x"), var("y"), var("z")
+
+
+def test_normaliser_proves_and_records_axioms():
+    lhs = [log(exp(x - z) + exp(y - z)) + z, (x + y) * (x + y)]
+    rhs = [log(exp(x) + exp(y)), x * x + 2 * x * y + y * y]
+    v = solve(lhs, rhs)
+    assert (v.verdict, v.tier, v.method) == ("proved", 0, "normalised")
+    assert "log_mul" in v.axioms or "exp_add" in v.axioms
+
+
+def test_random_point_refutes_with_the_element_and_exact_values():
+    v = solve([x + y, 2 * (x + y)], [x + y, x + y])
+    assert (v.verdict, v.tier, v.method, v.element) == ("refuted", 1, "random-point", 1)
+    left, right = v.values
+    assert left != right and set(v.point) == {"x", "y"}
+
+
+def test_a_true_identity_the_normaliser_cannot_show_stays_unknown_without_smt():
+    lhs = [max_(x, y) + (-max_(-x, -y))]           # max + min = x + y: true, not a normal form
+    v = solve(lhs, [x + y], Budget(tiers=(0, 1)))
+    assert v.verdict == "unknown"
+    assert v.reason == "1 of 1 equation(s) open; equation 0: normal forms differ and no counterexample was found"
+
+
+def test_smt_tier_proves_what_the_normaliser_leaves_open():
+    v = solve([max_(x, y) + (-max_(-x, -y))], [x + y], Budget(solvers=("z3",), tiers=(0, 1, 2)))
+    assert (v.verdict, v.tier, v.method) == ("proved", 2, "smt:z3")
+
+
+def test_indicators_are_drawn_one_hot_so_a_selection_identity_is_not_refuted():
+    # Σ_v δ_v = 1 holds only for one-hot indicators; free random values would "refute" it.
+    total = sum_([indicator("t[0]", v, 3) for v in range(3)])
+    v = solve([total * x], [x], Budget(tiers=(0, 1)))
+    assert v.verdict == "proved"
+    d0, d1 = indicator("t[0]", 0, 3), indicator("t[0]", 1, 3)
+    bad = solve([d0 * x + d1 * y], [d0 * y + d1 * x], Budget(tiers=(0, 1), points=8))
+    assert bad.verdict == "refuted"
+    values = [bad.point[k] for k in bad.point if k.startswith("onehot:")]
+    assert all(val in ("0", "1") for val in values) and values.count("1") <= 1

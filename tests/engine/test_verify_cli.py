@@ -1,0 +1,50 @@
+"""`tv-ray verify` end to end: exit 0 with a certificate, 1 with a located report, 2 with a clear error."""
+import json
+from dataclasses import replace
+
+from tv_ray.cli import main
+from tv_ray.ir import Graph, Node
+
+
+def _drop_a_gradient_all_reduce(plan):
+    """A1 on dp=2: layers.1.mlp.down_proj's weight-gradient all-reduce over dp becomes a copy."""
+    prog = plan.programs["main"]
+    nodes = list(prog.nodes)
+    i = next(i for i, n in enumerate(nodes) if n.op.value == "all_reduce" and n.get_meta("phase") == "bwd"
+             and n.get_meta("module") == "layers.1.mlp.down_proj")
+    n = nodes[i]
+    nodes[i] = Node.make(n.name, "clone", list(n.args), {}, n.shape, n.dtype, dict(n.meta))
+    return replace(plan, programs={"main": Graph(prog.inputs, tuple(nodes), prog.outputs, prog.name)}), n.name
+
+
+def test_correct_plan_exits_0_with_a_certificate(tiny_dp2_plan, tmp_path, capsys):
+    tiny_dp2_plan.save(tmp_path / "plan.json")
+    assert main(["verify", str(tmp_path / "plan.json"), "-o", str(tmp_path / "out"), "--jobs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "PROVED" in out and "unique keys by tier" in out
+    manifest = json.loads((tmp_path / "out" / "certificate.json").read_text())
+    assert manifest["plan"]["path"] == str((tmp_path / "plan.json").resolve())
+    assert manifest["composition"]["problems"] == []
+
+
+def test_missing_all_reduce_exits_1_and_names_module_rank_and_reduction(tiny_dp2_plan, tmp_path, capsys):
+    mutant, tensor = _drop_a_gradient_all_reduce(tiny_dp2_plan)
+    mutant.save(tmp_path / "bad.json")
+    assert main(["verify", str(tmp_path / "bad.json"), "-o", str(tmp_path / "out"), "-q"]) == 1
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["status"] == "refuted"
+    stage = report["stage"]
+    assert (stage["module"], stage["phase"], stage["tensor"], stage["ranks"]) == \
+        ("layers.1.mlp.down_proj", "bwd", tensor, [0])
+    assert "partial sum over dp" in stage["factor"]
+    assert stage["max_abs_dev"] > 1e-6 and len(stage["physical_values"]) == 6
+    assert main(["explain", str(tmp_path / "out")]) == 0
+    assert "layers.1.mlp.down_proj (backward)" in capsys.readouterr().out
+
+
+def test_errors_exit_2_and_say_what(tmp_path, capsys):
+    assert main(["verify", "-o", str(tmp_path / "o"), "--model", "llama3-tiny"]) == 2
+    assert "--model needs --parallel SPEC" in capsys.readouterr().err
+    (tmp_path / "broken.json").write_text('{"format": "tv-ray-plan/1", "model": 3')
+    assert main(["verify", str(tmp_path / "broken.json"), "-o", str(tmp_path / "o")]) == 2
+    assert "tv-ray verify:" in capsys.readouterr().err

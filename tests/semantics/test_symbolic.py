@@ -1,0 +1,106 @@
+"""The symbolic rules agree with the concrete ones: every node of real training steps, evaluated as terms
+at the concrete inputs, gives the concrete value (so the two domains are one semantics)."""
+import math
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+from tv_ray import api
+from tv_ray.errors import UnknownOpError
+from tv_ray.ir import Node
+from tv_ray.partition.claims import run_logical
+from tv_ray.partition.stages import LogicalTerms
+from tv_ray.semantics.symbolic import SymbolicError, choice, eval_symbolic, select
+from tv_ray.simulate import draw_inputs
+from tv_ray.terms import Kind, postorder, var
+from tv_ray.terms.onehot import is_indicator, parse
+
+REAL = {"exp": math.exp, "log": math.log, "rsqrt": lambda x: 1 / math.sqrt(x), "sqrt": math.sqrt,
+        "sigmoid": lambda x: 1 / (1 + math.exp(-x)), "tanh": math.tanh, "cos": math.cos, "sin": math.sin,
+        "abs": abs, "max": max, "gelu[none]": lambda x: 0.5 * x * (1 + math.erf(x / math.sqrt(2))),
+        "gelu[tanh]": lambda x: 0.5 * x * (1 + math.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3))),
+        "inf": lambda: math.inf}
+
+
+def evaluate(term, atoms: dict, ints: dict) -> float:
+    memo = {}
+    for node in postorder(term):
+        vs = [memo[a] for a in node.args]
+        if node.kind is Kind.CONST:
+            v = float(node.payload)
+        elif node.kind is Kind.VAR:
+            if is_indicator(node.payload):
+                base, value, _ = parse(node.payload)
+                v = float(ints[base] == value)
+            else:
+                v = atoms[node.payload]
+        elif node.kind is Kind.ADD:
+            v = math.fsum(vs)
+        elif node.kind is Kind.MUL:
+            v = math.prod(vs)
+        elif node.kind is Kind.POW:
+            v = vs[0] ** node.payload
+        elif node.payload.startswith("pow["):
+            v = vs[0] ** float(node.payload[4:-1])
+        elif node.payload.startswith("powbase["):
+            v = float(node.payload[8:-1]) ** vs[0]
+        else:
+            v = REAL[node.payload](*vs)
+        memo[node] = v
+    return memo[term]
+
+
+@pytest.mark.parametrize("model", ["llama3-tiny", "gpt2-tiny"])
+def test_every_node_of_a_training_step_matches_the_concrete_rule(model):
+    graph = api.capture_step(model, optim="adamw", clip=1.0)
+    dims = {"batch": 2, "seq": 2, "kv_heads": 1, "n_rep": 2, "head_dim": 2, "ffn": 2, "vocab": 3, "heads": 2,
+            "d_model": 4, "d_ff": 4, "positions": 2}
+    dims = {k: v for k, v in dims.items() if any(k in str(s) for s in graph.inputs for s in s.shape)}
+    values = run_logical(graph, dims, draw_inputs(graph, dims, np.random.default_rng(0)))
+    lt = LogicalTerms.build(graph, dims)
+    ints = {}
+    for spec in graph.inputs:
+        if spec.dtype == "int":
+            for idx in np.ndindex(values[spec.name].shape):
+                ints[f"{spec.name}[{','.join(map(str, idx))}]"] = int(values[spec.name][idx])
+    atoms = {}
+    for term, (tensor, idx) in lt.atom_of.items():
+        atoms[term.payload] = float(values[tensor][idx])
+    checked = 0
+    for node in graph.nodes:
+        if node.dtype != "float":
+            continue
+        want = values[node.name]
+        got = lt.definition[node.name]
+        for idx in np.ndindex(want.shape):
+            w = float(want[idx])
+            g = evaluate(got[idx], atoms, ints)
+            assert g == pytest.approx(w, rel=1e-9, abs=1e-12) or (math.isinf(w) and g == w), \
+                f"{node.name} = {node.op}{list(node.args)} at {idx}: symbolic {g}, concrete {w}"
+            checked += 1
+    assert checked > 1000
+
+
+def test_choice_select_and_int_ops():
+    t = choice("tok[0]", 3)
+    row = [var("w0"), var("w1"), var("w2")]
+    picked = select(t, row)
+    for v in range(3):
+        assert evaluate(picked, {"w0": 1.0, "w1": 2.0, "w2": 4.0}, {"tok[0]": v}) == [1.0, 2.0, 4.0][v]
+    node = Node.make("e", "eq", ["a"], {"other": 1}, [], "bool")
+    out = eval_symbolic(node, [np.asarray(t, dtype=object)], {})
+    assert out.item().table == (False, True, False)
+
+
+def test_two_data_elements_in_one_int_value_are_refused():
+    node = Node.make("s", "add", ["a", "b"], {}, [], "int")
+    with pytest.raises(SymbolicError, match="depends on two data elements"):
+        eval_symbolic(node, [np.asarray(choice("a[0]", 2), dtype=object),
+                             np.asarray(choice("b[0]", 2), dtype=object)], {})
+
+
+def test_an_op_without_a_symbolic_rule_is_named():
+    node = Node.make("k", "topk_values", ["x"], {"k": 1, "dim": 0}, [1], "float")
+    with pytest.raises(UnknownOpError, match="no symbolic rule for op topk_values"):
+        eval_symbolic(node, [np.asarray([var("x0"), var("x1")], dtype=object)], {})
