@@ -142,7 +142,9 @@ def diagnose(outcome: Outcome) -> dict:
     if ob is None:
         open_ = [o for o in outcome.partition.obligations if not outcome.verdict_of(o).proved]
         report["headline"] = (f"not proved: {len(open_)} stage(s) open, {len(outcome.problems)} composition "
-                              f"problem(s)" if open_ or outcome.problems else "proved")
+                              f"problem(s)" if open_ or outcome.problems else
+                              f"all {counts['obligations']} obligations ({counts['unique']} unique) proved; loss, "
+                              f"every gradient and every updated parameter and state are covered")
         report["open"] = [{"stage": o.id, "module": o.module, "phase": o.phase, "tensor": o.tensor,
                            "logical": o.claim.describe(), "reason": outcome.verdict_of(o).reason}
                           for o in sorted(open_, key=lambda o: o.position)[:20]]
