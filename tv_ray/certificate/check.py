@@ -96,7 +96,8 @@ def check_certificate(out: str | Path, sample: int | None = None, solvers: tuple
         plan = Plan.load(plan_path)
     except PlanError as e:
         raise CertificateError(f"{plan_path}: {e}") from None
-    reduction, _, _, part, keys = obligations_of(plan, manifest["settings"].get("seed", 0))
+    reduction, _, _, part, keys = obligations_of(plan, manifest["settings"].get("seed", 0),
+                                                 manifest.get("claims_dropped", []))
     if reduction.reduced != manifest["reduction"]["reduced"]:
         raise CertificateError(f"reduced dims {reduction.reduced} differ from the certificate's "
                                f"{manifest['reduction']['reduced']}")

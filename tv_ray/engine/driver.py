@@ -14,7 +14,7 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from tqdm import tqdm
 
@@ -44,6 +44,7 @@ class Outcome:
     problems: list[str] = field(default_factory=list)     # composition failures (never proved then)
     phases: dict[str, float] = field(default_factory=dict)
     executor: str = ""
+    dropped: list[tuple[int, str]] = field(default_factory=list)   # inferred claims refuted as wrong guesses
 
     @property
     def status(self) -> str:
@@ -82,10 +83,14 @@ def claims_for(plan: Plan, dims: dict[str, int], seed: int = 0):
     return runs, infer_claims(plan, runs, fixed, eligible)
 
 
-def obligations_of(plan: Plan, seed: int = 0) -> tuple[Reduction, list[ConcreteRun], dict, Partition, dict[str, str]]:
-    """Reduce, claim, partition and key: everything before solving (the checker re-runs exactly this)."""
+def obligations_of(plan: Plan, seed: int = 0, dropped: Iterable[tuple[int, str]] = ()
+                   ) -> tuple[Reduction, list[ConcreteRun], dict, Partition, dict[str, str]]:
+    """Reduce, claim (without the `dropped` guesses), partition and key: everything before solving (the
+    checker re-runs exactly this)."""
     reduction = reduce_plan(plan)
     runs, claims = claims_for(plan, reduction.reduced, seed)
+    for key in dropped:
+        claims.pop(tuple(key), None)
     part = partition(plan, reduction.reduced, claims)
     keys = {o.id: formula_key(o.lhs, o.rhs) for o in part.obligations}
     return reduction, runs, claims, part, keys
@@ -167,6 +172,7 @@ def verify_plan(plan: Plan, *, budget: Budget = Budget(), executor: Executor | N
     executor = executor or LocalExecutor()
     show = sys.stderr.isatty() if progress is None else progress
     verdicts: dict[str, Verdict] = {}
+    dropped: list[tuple[int, str]] = []
     for _ in range(REFINE_ROUNDS):
         t = time.perf_counter()
         part = partition(plan, reduction.reduced, claims)
@@ -180,11 +186,12 @@ def verify_plan(plan: Plan, *, budget: Budget = Budget(), executor: Executor | N
             break
         for ob in wrong:
             for rank in ob.ranks:
-                claims.pop((rank, ob.tensor), None)
+                if claims.pop((rank, ob.tensor), None) is not None:
+                    dropped.append((rank, ob.tensor))
     proved = {o.id for o in part.obligations if verdicts[keys[o.id]].proved}
     problems = composition_problems(plan, part, proved)
     return Outcome(plan, reduction, part, runs, claims, keys, {k: verdicts[k] for k in set(keys.values())},
-                   problems, dict(phases), getattr(executor, "name", type(executor).__name__))
+                   problems, dict(phases), getattr(executor, "name", type(executor).__name__), sorted(dropped))
 
 
 __all__ = ["Outcome", "verify_plan", "obligations_of", "claims_for", "composition_problems",

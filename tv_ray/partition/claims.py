@@ -123,25 +123,29 @@ def output_claims(plan: Plan, logical_shapes: dict[str, tuple[int, ...]]) -> dic
     return out
 
 
+def token_data(shape: tuple[int, ...], high: int, rng: np.random.Generator, digit: int | None) -> np.ndarray:
+    """Integer data for claim runs: along the last axis each row counts up from its own start modulo `high`
+    (neighbouring positions never hold equal ids: equal ids make some gradients exactly zero, and a zero
+    tensor matches any slice). Row starts are random, or with `digit` k the k-th base-`high` digit of the
+    row number, so over runs k = 0, 1, ... every two rows differ in some run."""
+    rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+    n = shape[-1] if shape else 1
+    starts = rng.integers(0, high, size=rows) if digit is None else (np.arange(rows) // high ** digit) % high
+    return ((starts[:, None] + np.arange(n)[None, :]) % high).reshape(shape)
+
+
 def run_concrete(plan: Plan, dims: dict[str, int], seed: int = 0,
                  digit: int | None = None) -> tuple[ConcreteRun, dict[tuple[int, str], Claim]]:
-    """Run the logical graph and every rank on one random point, keeping all values.
-
-    With `digit` k, every int input holds at flat position i the k-th digit of
-    i in base `high`: over runs k = 0, 1, ... any two positions differ in some
-    run, so equal values that stem from equal data do not survive them all.
-    """
+    """Run the logical graph and every rank on one random point, keeping all values (int data from
+    `token_data`; small float weights, so no softmax saturates and no gradient vanishes to 1e-19)."""
     rng = np.random.default_rng(seed)
     inputs = draw_inputs(plan.logical, dims, rng)
-    for spec in plan.logical.inputs:        # small weights: no saturated softmax, no gradients at 1e-19
+    for spec in plan.logical.inputs:
         if spec.dtype == "float" and not spec.positive and spec.role != "step":
             inputs[spec.name] = inputs[spec.name] * INPUT_SCALE
-    if digit is not None:
-        for spec in plan.logical.inputs:
-            if spec.dtype == "int" and spec.high is not None:
-                high = spec.high.eval(dims) if hasattr(spec.high, "eval") else int(spec.high)
-                value = inputs[spec.name]
-                inputs[spec.name] = ((np.arange(value.size) // high ** digit) % high).reshape(value.shape)
+        if spec.dtype == "int" and spec.high is not None and spec.role != "step":
+            high = spec.high.eval(dims) if hasattr(spec.high, "eval") else int(spec.high)
+            inputs[spec.name] = token_data(inputs[spec.name].shape, high, rng, digit)
     logical = run_logical(plan.logical, dims, inputs)
     rank_inputs, in_claims = boundary_inputs(plan, logical)
     recorder = _Recorder(plan, dims, rank_inputs)
@@ -186,13 +190,15 @@ def _anchor(value: np.ndarray) -> int | None:
 
 
 def runs_for(plan: Plan, dims: dict[str, int], seed: int = 0) -> tuple[list[ConcreteRun], dict]:
-    """One random run and enough digit-pattern runs that every pair of int data positions differs in one."""
+    """One random run and enough digit runs that every two rows of int data differ in one of them."""
     first, claims = run_concrete(plan, dims, seed)
-    n = max([int(np.prod(v.shape)) for s, v in first.logical.items()
-             if s in {i.name for i in plan.logical.inputs if i.dtype == "int"}] or [1])
-    highs = [i.high.eval(dims) if hasattr(i.high, "eval") else int(i.high)
-             for i in plan.logical.inputs if i.dtype == "int" and i.high is not None]
-    digits = 0 if not highs else max(1, int(np.ceil(np.log(max(n, 2)) / np.log(max(2, min(highs))))))
+    rows, highs = 1, []
+    for spec in plan.logical.inputs:
+        if spec.dtype == "int" and spec.high is not None:
+            shape = first.logical[spec.name].shape
+            rows = max(rows, int(np.prod(shape[:-1])) if len(shape) > 1 else 1)
+            highs.append(spec.high.eval(dims) if hasattr(spec.high, "eval") else int(spec.high))
+    digits = 0 if not highs else max(1, int(np.ceil(np.log(max(rows, 2)) / np.log(max(2, min(highs))))))
     runs = [first] + [run_concrete(plan, dims, seed + 1 + k, digit=k)[0] for k in range(digits)]
     return runs, claims
 
@@ -245,19 +251,16 @@ class _Matcher:
         return values[0] if len(values) == 1 else np.sum(values, axis=0)
 
     def best(self, members: tuple[int, ...], tensor: str, prefer: str | None) -> Claim | None:
-        """The claim that holds in every run, proposed by the first run whose value is not degenerate there
-        (equal tokens make some gradients exactly zero for that data)."""
+        """The claim that holds in every run, proposed by any run (in some runs a value is degenerate: equal
+        tokens make some gradients exactly zero for that data)."""
         values = [self.value(run, members, tensor) for run in self.runs]
         if any(v is None for v in values):
             return None
+        proposed: set[Claim] = set()
         for proposer, value in enumerate(values):
-            found = candidates(value, self.index[proposer])
-            if found:
-                break
-        else:
-            return None
-        found = [c for c in found if all(_equal(run.logical[c.logical][c.slices()], v)
-                                         for run, v in zip(self.runs, values))]
+            proposed.update(candidates(value, self.index[proposer]))
+        found = [c for c in proposed if all(_equal(run.logical[c.logical][c.slices()], v)
+                                            for run, v in zip(self.runs, values))]
         if not found:
             return None
         rank = lambda c: (c.logical == prefer, -self.order.get(c.logical, -1))   # noqa: E731

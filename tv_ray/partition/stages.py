@@ -22,7 +22,8 @@ logical op it realises, with module path and phase for reports.
 
 An op without a symbolic rule gives fresh atoms for its result (a sound
 over-approximation: any proof through it holds for every value) and a note;
-the obligation that reads it then proves or stays unknown, never guesses.
+every note is a composition problem, so such a run ends unknown (exit 2),
+never proved, while its refutations elsewhere still locate bugs.
 """
 from __future__ import annotations
 
@@ -218,9 +219,14 @@ class SymbolicRun(Scheduler):
             shape = instantiate_shape(node.shape, self.dims)
             tag = f"opaque:r{state.rank}/{node.name}"
             self.opaque[state.rank, node.name] = str(err)
-            self.notes.append(f"rank {state.rank} {node.name} = {node.op}(...): {err}; its value is left "
-                              f"unconstrained")
-            return atoms(tag, shape) if node.dtype == "float" else np.full(shape, 0, dtype=object)
+            # Either way the run cannot end proved: every note is a composition problem (see engine.driver).
+            if node.dtype == "float":
+                self.notes.append(f"rank {state.rank} {node.name} = {node.op}(...): {err}; its value is left "
+                                  f"unconstrained")
+                return atoms(tag, shape)
+            self.notes.append(f"rank {state.rank} {node.name} = {node.op}(...): {err}; integer values cannot be "
+                              f"left unconstrained, so nothing after it is proved")
+            return np.full(shape, 0, dtype=object)
 
     def evaluate_group(self, node: Node, members, values):
         self._group_sources = frozenset().union(
@@ -314,11 +320,15 @@ def expand(lhs: list[Term], rhs: list[Term], logical: LogicalTerms) -> tuple[lis
     Replacing W's atoms by W's definition is the logical graph's own equation,
     so the obligation stays equivalent to the claim; latest tensor first.
     """
+    left, right = _logical_atoms(lhs, logical), _logical_atoms(rhs, logical)
+    if left == right:
+        return lhs, rhs          # the common case: both sides read the same tensors
     budget = EXPAND_GROWTH * _size(lhs + rhs) + EXPAND_SLACK
-    for _ in range(EXPAND_ROUNDS):
-        if _size(lhs + rhs) > budget:
-            break        # unfolding further would not close it: a real difference (a bug) or a gap
-        left, right = _logical_atoms(lhs, logical), _logical_atoms(rhs, logical)
+    for round_ in range(EXPAND_ROUNDS):
+        if round_:
+            if _size(lhs + rhs) > budget:
+                break    # unfolding further would not close it: a real difference (a bug) or a gap
+            left, right = _logical_atoms(lhs, logical), _logical_atoms(rhs, logical)
         present, differ = left | right, left ^ right
         if not differ:
             break
