@@ -20,11 +20,22 @@ from tv_ray.errors import TvRayError
 TOL = 1e-9
 
 
-def configs():
+def configs(zeros=range(4)):
+    """Every recipe config of the grid: (parallel spec, flags)."""
     for dp, tp, pp, mb in itertools.product((1, 2), repeat=4):
         for sp in ((False, True) if tp == 2 else (False,)):
-            for zero in range(4):
+            for zero in zeros:
                 yield f"dp={dp},tp={tp},pp={pp},mb={mb}", {"sp": sp, "zero": zero}
+
+
+def finish(rows: list[dict], failures: int, start: float, out: str, **totals) -> int:
+    """Write the rows and a summary to `out`; exit status 1 if any config failed."""
+    summary = {"configs": len(rows), "failures": failures, "seconds": round(time.perf_counter() - start, 1),
+               **totals}
+    with open(out, "w") as f:
+        json.dump({"summary": summary, "rows": rows}, f, indent=1)
+    print(json.dumps(summary))
+    return 1 if failures else 0
 
 
 def main() -> int:
@@ -49,11 +60,7 @@ def main() -> int:
                 failures += not row["ok"]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    summary = {"configs": len(rows), "failures": failures, "seconds": round(time.perf_counter() - start, 1)}
-    with open(args.out, "w") as f:
-        json.dump({"summary": summary, "rows": rows}, f, indent=1)
-    print(json.dumps(summary))
-    return 1 if failures else 0
+    return finish(rows, failures, start, args.out)
 
 
 if __name__ == "__main__":

@@ -20,16 +20,9 @@ import tempfile
 import time
 
 import tv_ray
+from plan_grid import configs, finish
 from tv_ray.certificate import check_certificate
 from tv_ray.errors import TvRayError
-
-
-def configs(full: bool):
-    zeros = range(4) if full else (0, 3)
-    for dp, tp, pp, mb in itertools.product((1, 2), repeat=4):
-        for sp in ((False, True) if tp == 2 else (False,)):
-            for zero in zeros:
-                yield f"dp={dp},tp={tp},pp={pp},mb={mb}", {"sp": sp, "zero": zero}
 
 
 def main() -> int:
@@ -47,7 +40,7 @@ def main() -> int:
     for model in args.models.split(","):
         for tied, optim in variants:
             graph = tv_ray.capture_step(model, optim=optim, clip=1.0, tied=tied)
-            for spec, flags in configs(args.full):
+            for spec, flags in configs(range(4) if args.full else (0, 3)):
                 row = {"model": model, "tied": tied, "optim": optim, "parallel": spec, **flags}
                 t = time.perf_counter()
                 try:
@@ -70,13 +63,8 @@ def main() -> int:
                 failures += not ok
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    summary = {"configs": len(rows), "failures": failures, "seconds": round(time.perf_counter() - start, 1),
-               "obligations": sum(r.get("obligations", 0) for r in rows),
-               "unique": sum(r.get("unique", 0) for r in rows)}
-    with open(args.out, "w") as f:
-        json.dump({"summary": summary, "rows": rows}, f, indent=1)
-    print(json.dumps(summary))
-    return 1 if failures else 0
+    return finish(rows, failures, start, args.out, obligations=sum(r.get("obligations", 0) for r in rows),
+                  unique=sum(r.get("unique", 0) for r in rows))
 
 
 if __name__ == "__main__":

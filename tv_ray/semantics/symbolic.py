@@ -267,34 +267,36 @@ def _masked(op: Op, a: Term, b: Term) -> Term | None:
     return None
 
 
+def _binary(one_for: Callable) -> Callable:
+    """A rule applying one_for(node, attrs)(a, b) to every pair of broadcast elements."""
+    def rule(node, xs, attrs, ctx):
+        x, y = _operands(xs, attrs)
+        return elementwise(one_for(node, attrs), x, y)
+    return rule
+
+
 def _arith(op: Op) -> Callable:
     fn = ARITH[op]
 
-    def rule(node, xs, attrs, ctx):
-        x, y = _operands(xs, attrs)
-
+    def one_for(node, attrs):
         def one(a, b):
             if node.dtype == "float":
                 a, b = to_term(a), to_term(b)
                 masked = _masked(op, a, b)
                 return masked if masked is not None else fn(a, b, attrs)
             return lift_int(lambda p, q: fn(p, q, attrs), a, b)
-        return elementwise(one, x, y)
-    return rule
+        return one
+    return _binary(one_for)
 
 
 def _compare(op: Op) -> Callable:
     fn = COMPARE[op]
 
-    def rule(node, xs, attrs, ctx):
-        x, y = _operands(xs, attrs)
-
-        def one(a, b):
-            if _is_float(a) or _is_float(b):
-                raise SymbolicError(f"{op} on real values is outside the symbolic domain")
-            return lift_int(fn, a, b)
-        return elementwise(one, x, y)
-    return rule
+    def one(a, b):
+        if _is_float(a) or _is_float(b):
+            raise SymbolicError(f"{op} on real values is outside the symbolic domain")
+        return lift_int(fn, a, b)
+    return _binary(lambda node, attrs: one)
 
 
 for _op in ARITH:
