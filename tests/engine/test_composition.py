@@ -1,0 +1,31 @@
+"""The composition check (soundness rule 3) on broken inputs: each failure has its own message."""
+from dataclasses import replace
+
+from tv_ray.engine.driver import composition_problems, obligations_of, state_lineage_problems
+from tv_ray.plan import Fixed
+
+
+def test_unproved_stages_break_the_chain_and_leave_outputs_uncovered(tiny_dp2_plan):
+    _, _, _, part, _ = obligations_of(tiny_dp2_plan)
+    proved = {o.id for o in part.obligations}
+    assert composition_problems(tiny_dp2_plan, part, proved) == []
+    first_output = next(o for o in part.obligations if o.claim.boundary)
+    reader = next(o for o in part.obligations if o.reads and not o.reads[0].startswith("in:"))
+    problems = composition_problems(tiny_dp2_plan, part, proved - {reader.reads[0], first_output.id})
+    assert f"stage {reader.id} reads {reader.reads[0]}, which is neither boundary lineage nor proved" in problems
+    name = next(n for n, v in tiny_dp2_plan.logical.outputs if v == first_output.claim.logical)
+    others = [o for o in part.obligations if o.claim.boundary and o.claim.logical == first_output.claim.logical
+              and o.id != first_output.id]
+    problems = composition_problems(tiny_dp2_plan, part, proved - {first_output.id} - {o.id for o in others})
+    assert f"logical output {name!r} is not covered by a proved output stage" in problems
+
+
+def test_updated_state_must_leave_with_its_input_lineage(tiny_dp2_plan):
+    assert state_lineage_problems(tiny_dp2_plan) == []
+    i, entry = next((i, e) for i, e in enumerate(tiny_dp2_plan.lineage) if e.logical.startswith("new/"))
+    moved = replace(entry, slice=((0, (Fixed(0, 2),)),))
+    lineage = tiny_dp2_plan.lineage[:i] + (moved,) + tiny_dp2_plan.lineage[i + 1:]
+    problems = state_lineage_problems(replace(tiny_dp2_plan, lineage=lineage))
+    assert len(problems) == 1
+    assert problems[0].startswith(f"{entry.logical} leaves the step with lineage ")
+    assert problems[0].endswith("the next step would start inconsistent")
