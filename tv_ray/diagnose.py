@@ -21,26 +21,12 @@ import itertools
 import numpy as np
 
 from tv_ray.engine.driver import Outcome
-from tv_ray.partition.claims import ConcreteRun
+from tv_ray.partition.claims import ConcreteRun, group_value
+from tv_ray.simulate import max_abs_deviation
 from tv_ray.partition.stages import Obligation
 
 TOL = 1e-9
 SHOW = 6   # elements shown per tensor
-
-
-def _physical(run: ConcreteRun, ob_ranks, tensor: str) -> np.ndarray | None:
-    values = [run.ranks[r].get(tensor) for r in ob_ranks]
-    if any(v is None for v in values):
-        return None
-    return values[0] if len(values) == 1 else np.sum(values, axis=0)
-
-
-def _deviation(a: np.ndarray, b: np.ndarray) -> float:
-    if a.shape != b.shape:
-        return float("inf")
-    with np.errstate(invalid="ignore"):
-        d = np.where((a == b) | (np.isnan(a) & np.isnan(b)), 0.0, np.abs(a - b))
-    return float(np.nan_to_num(d, nan=np.inf).max()) if d.size else 0.0
 
 
 def output_deviations(outcome: Outcome) -> list[dict]:
@@ -50,9 +36,9 @@ def output_deviations(outcome: Outcome) -> list[dict]:
         if not ob.claim.boundary or ob.id in seen:
             continue
         seen.add(ob.id)
-        worst = max((_deviation(p, run.logical[ob.claim.logical][ob.claim.slices()])
+        worst = max((max_abs_deviation(p, run.logical[ob.claim.logical][ob.claim.slices()])
                      for run in outcome.runs
-                     if (p := _physical(run, ob.ranks, ob.tensor)) is not None), default=0.0)
+                     if (p := group_value(run, ob.ranks, ob.tensor)) is not None), default=0.0)
         if worst > TOL * 10:
             out.append({"stage": ob.id, "ranks": list(ob.ranks), "tensor": ob.tensor,
                         "logical": ob.claim.logical, "max_abs_dev": worst})
@@ -88,7 +74,7 @@ def _missing_reduction(outcome: Outcome, ob: Obligation, run: ConcreteRun, logic
     for k in range(1, len(axes) + 1):
         for subset in itertools.combinations(axes, k):
             members = tuple(sorted({m for r in ob.ranks for m in plan.group(r, ob.claim.partial + subset)}))
-            total = _physical(run, members, ob.tensor)
+            total = group_value(run, members, ob.tensor)
             if total is not None and total.shape == logical.shape and np.allclose(total, logical, rtol=1e-7,
                                                                                    atol=1e-12):
                 what = "×".join(subset)
@@ -179,11 +165,11 @@ def _stage_report(outcome: Outcome, ob: Obligation) -> dict:
                  "verdict": verdict.to_json(), "reads": list(ob.reads)}
     best = None
     for i, run in enumerate(outcome.runs):
-        p = _physical(run, ob.ranks, ob.tensor)
+        p = group_value(run, ob.ranks, ob.tensor)
         if p is None:
             continue
         logical = run.logical[ob.claim.logical][ob.claim.slices()]
-        dev = _deviation(p, logical)
+        dev = max_abs_deviation(p, logical)
         if best is None or dev > best[0]:
             best = (dev, i, p, logical)
     if best is not None:

@@ -113,7 +113,7 @@ def _rank_inputs(plan: Plan, logical_values: dict[str, np.ndarray]) -> list[dict
 
 
 # -- comparison --------------------------------------------------------------------------------------
-def _deviation(physical: np.ndarray, logical: np.ndarray) -> float:
+def max_abs_deviation(physical: np.ndarray, logical: np.ndarray) -> float:
     """max |physical - logical|, where equal infinities and NaN against NaN count as 0 and NaN against a number as inf."""
     a, b = physical.astype(np.float64), logical.astype(np.float64)
     if a.size == 0:
@@ -145,7 +145,7 @@ def _compare(plan: Plan, outputs: list[dict[str, np.ndarray]], reference: dict[s
                 raise SimulationError(f"{plan.describe(rank)}: output {entry.tensor!r} of {names[ids[rank]]!r} has "
                                       f"shape {physical.shape}, but its slice of {entry.logical!r} has shape "
                                       f"{expected.shape}")
-            dev = _deviation(physical, expected)
+            dev = max_abs_deviation(physical, expected)
             if dev > result.deviation.get(entry.logical, -1.0):
                 result.deviation[entry.logical] = dev
                 result.worst_rank[entry.logical] = rank

@@ -16,11 +16,9 @@ from typing import Sequence
 
 from tv_ray.smt import prove_with_record
 from tv_ray.terms import Refuted, Term, refute
-from tv_ray.terms.normal import NormaliseError, Normaliser, term_of
+from tv_ray.terms.normal import NormaliseError, Normaliser
 from tv_ray.terms.onehot import consistent
-from tv_ray.terms.term import to_str
 
-TIERS = ("normalise", "random", "smt")
 
 
 @dataclass
@@ -132,14 +130,4 @@ def solve(lhs: Sequence[Term], rhs: Sequence[Term], budget: Budget = Budget()) -
                    reason=f"{len(open_)} of {len(lhs)} equation(s) open; equation {i}: {why}", element=None)
 
 
-def normal_difference(lhs: Term, rhs: Term, max_chars: int = 300) -> str:
-    """lhs − rhs in normal form, for reports."""
-    norm = Normaliser()
-    try:
-        diff = norm.normalise(lhs - rhs)
-    except NormaliseError as e:
-        return f"(no normal form: {e})"
-    return to_str(term_of(diff), max_chars=max_chars)
-
-
-__all__ = ["Verdict", "Budget", "solve", "TIERS", "normal_difference"]
+__all__ = ["Verdict", "Budget", "solve"]

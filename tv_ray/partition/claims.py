@@ -153,6 +153,14 @@ def run_concrete(plan: Plan, dims: dict[str, int], seed: int = 0,
     return ConcreteRun(dims, logical, [r.env for r in recorder.ranks], recorder.order), in_claims
 
 
+def group_value(run: ConcreteRun, members: tuple[int, ...], tensor: str) -> np.ndarray | None:
+    """A tensor's value on one rank, or its sum over a group of ranks (None if a member lacks it)."""
+    values = [run.ranks[m].get(tensor) for m in members]
+    if any(v is None or v.shape != values[0].shape for v in values):
+        return None
+    return values[0] if len(values) == 1 else np.sum(values, axis=0)
+
+
 class LogicalIndex:
     """Find logical tensors containing a value: all float logical elements sorted once."""
 
@@ -244,16 +252,10 @@ class _Matcher:
         self.order = {name: i for i, name in enumerate([s.name for s in plan.logical.inputs] +
                                                        [n.name for n in plan.logical.nodes])}
 
-    def value(self, run: ConcreteRun, members: tuple[int, ...], tensor: str) -> np.ndarray | None:
-        values = [run.ranks[m].get(tensor) for m in members]
-        if any(v is None or v.shape != values[0].shape for v in values):
-            return None
-        return values[0] if len(values) == 1 else np.sum(values, axis=0)
-
     def best(self, members: tuple[int, ...], tensor: str, prefer: str | None) -> Claim | None:
         """The claim that holds in every run, proposed by any run (in some runs a value is degenerate: equal
         tokens make some gradients exactly zero for that data)."""
-        values = [self.value(run, members, tensor) for run in self.runs]
+        values = [group_value(run, members, tensor) for run in self.runs]
         if any(v is None for v in values):
             return None
         proposed: set[Claim] = set()
@@ -309,4 +311,4 @@ def infer_claims(plan: Plan, runs: list[ConcreteRun], fixed: dict[tuple[int, str
 
 
 __all__ = ["Claim", "ConcreteRun", "run_concrete", "infer_claims", "output_claims", "boundary_inputs",
-           "run_logical", "LogicalIndex", "candidates"]
+           "run_logical", "LogicalIndex", "candidates", "group_value"]

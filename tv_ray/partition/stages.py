@@ -137,10 +137,6 @@ class LogicalTerms:
                 self.atom_of[arr[idx]] = (name, idx)
         return arr
 
-    def is_cut(self, name: str) -> bool:
-        """Does this logical tensor have atoms (a float depending on the step's inputs)?"""
-        return any(isinstance(t, Term) and t in self.atom_of for t in self.value[name].reshape(-1))
-
 
 @dataclass
 class Obligation:

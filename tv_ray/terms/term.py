@@ -349,9 +349,16 @@ R = TypeVar("R")
 def fold(root: Term, visit: Callable[[Term, list], R], memo: dict | None = None) -> R:
     """Bottom-up evaluation: visit(node, [results of its args]) once per distinct node; `memo` may be shared."""
     memo = {} if memo is None else memo
-    for node in postorder(root):
-        if node not in memo:
+    stack: list[tuple[Term, bool]] = [(root, False)]
+    while stack:                      # postorder that stops at nodes the shared memo already holds
+        node, done = stack.pop()
+        if node in memo:
+            continue
+        if done:
             memo[node] = visit(node, [memo[a] for a in node.args])
+            continue
+        stack.append((node, True))
+        stack.extend((a, False) for a in reversed(node.args) if a not in memo)
     return memo[root]
 
 
