@@ -29,22 +29,6 @@ TOL = 1e-9
 SHOW = 6   # elements shown per tensor
 
 
-def output_deviations(outcome: Outcome) -> list[dict]:
-    """Program outputs whose concrete value differs from their output lineage, in any run (largest first)."""
-    seen, out = set(), []
-    for ob in outcome.partition.obligations:
-        if not ob.claim.boundary or ob.id in seen:
-            continue
-        seen.add(ob.id)
-        worst = max((max_abs_deviation(p, run.logical[ob.claim.logical][ob.claim.slices()])
-                     for run in outcome.runs
-                     if (p := group_value(run, ob.ranks, ob.tensor)) is not None), default=0.0)
-        if worst > TOL * 10:
-            out.append({"stage": ob.id, "ranks": list(ob.ranks), "tensor": ob.tensor,
-                        "logical": ob.claim.logical, "max_abs_dev": worst})
-    return sorted(out, key=lambda d: -d["max_abs_dev"])
-
-
 def _factor(physical: np.ndarray, logical: np.ndarray) -> str | None:
     """'physical = c × logical' or 'physical = logical + c' when the difference is that simple."""
     if physical.shape != logical.shape or physical.size == 0:
@@ -91,7 +75,8 @@ def _values(a: np.ndarray) -> list:
 
 def _suspect(outcome: Outcome, ob: Obligation) -> dict | None:
     """The earliest op inside the stage (unclaimed, between the stage's inputs and its tensor) that says which
-    logical op it realises: where the value first left the logical one."""
+    logical op it realises: where the value first left the logical one. (Ops computed from token data alone
+    are exact and never claimed: they are not suspects.)"""
     rank = ob.ranks[0]
     program = outcome.plan.programs[outcome.plan.program_of(rank)]
     nodes = {n.name: n for n in program.nodes}
@@ -106,7 +91,11 @@ def _suspect(outcome: Outcome, ob: Obligation) -> dict | None:
         for a in nodes[name].args:
             if (rank, a) not in outcome.claims:
                 stack.append(a)
-    realising = [nodes[n] for n in inside if n != ob.tensor and nodes[n].get_meta("realises")]
+    data_only: dict[str, bool] = {}
+    for node in program.nodes:          # computed from token data (and constants) alone
+        data_only[node.name] = all(data_only.get(a, program.dtype_of(a) != "float") for a in node.args)
+    realising = [nodes[n] for n in inside if n != ob.tensor and nodes[n].get_meta("realises")
+                 and not data_only[n]]
     if not realising:
         return None
     first = min(realising, key=lambda n: order[n.name])
@@ -135,7 +124,7 @@ def diagnose(outcome: Outcome) -> dict:
                            "logical": o.claim.describe(), "reason": outcome.verdict_of(o).reason}
                           for o in sorted(open_, key=lambda o: o.position)[:20]]
         return report
-    deviations = output_deviations(outcome)
+    deviations = outcome.deviations
     stage = _stage_report(outcome, ob)
     confirmed = bool(deviations) or stage.get("max_abs_dev", 0) > TOL * 10
     if not confirmed:
@@ -232,4 +221,4 @@ def explain(report: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["diagnose", "explain", "output_deviations"]
+__all__ = ["diagnose", "explain"]

@@ -54,8 +54,8 @@ from tv_ray.ir import Graph
 
 FORMAT = "tv-ray-plan/1"
 _FIELDS = ("format", "model", "dims", "mesh", "microbatches", "schedule", "logical", "programs", "ranks",
-           "lineage")
-_OPTIONAL = {"microbatches": 1, "schedule": "none"}
+           "lineage", "interior")
+_OPTIONAL = {"microbatches": 1, "schedule": "none", "interior": []}
 
 
 @contextlib.contextmanager
@@ -203,6 +203,7 @@ class Plan:
     programs: dict[str, Graph]
     ranks: RankMap
     lineage: tuple[Lineage, ...]
+    interior: tuple[Lineage, ...] = ()     # intermediate lineage: optional, proved like any claim, never assumed
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     # -- the mesh ----------------------------------------------------------------
@@ -369,7 +370,8 @@ class Plan:
                     "microbatches": self.microbatches, "schedule": self.schedule,
                     "logical": self.logical.to_json(),
                     "programs": {name: graph.to_json() for name, graph in self.programs.items()},
-                    "ranks": self.ranks.to_json(), "lineage": [e.to_json() for e in self.lineage]}
+                    "ranks": self.ranks.to_json(), "lineage": [e.to_json() for e in self.lineage],
+                    **self._interior_json()}
 
     @staticmethod
     def from_json(obj: Any, check: bool = True) -> "Plan":
@@ -410,7 +412,10 @@ class Plan:
         return {"format": self.format, "model": self.model, "dims": dict(self.dims), "mesh": dict(self.mesh),
                 "microbatches": self.microbatches, "schedule": self.schedule, "logical": self.logical,
                 "programs": dict(self.programs), "ranks": self.ranks.to_json(),
-                "lineage": [e.to_json() for e in self.lineage]}
+                "lineage": [e.to_json() for e in self.lineage], **self._interior_json()}
+
+    def _interior_json(self) -> dict:
+        return {"interior": [e.to_json() for e in self.interior]} if self.interior else {}
 
 
 # -- parsing -------------------------------------------------------------------------------
@@ -444,8 +449,12 @@ def _parse(obj: Any) -> Plan:
     if not isinstance(obj["lineage"], list):
         raise PlanError("lineage: expected a list of lineage entries")
     lineage = tuple(Lineage.from_json(e, f"lineage[{i}]") for i, e in enumerate(obj["lineage"]))
+    raw_interior = obj.get("interior", _OPTIONAL["interior"])
+    if not isinstance(raw_interior, list):
+        raise PlanError("interior: expected a list of lineage entries")
+    interior = tuple(Lineage.from_json(e, f"interior[{i}]") for i, e in enumerate(raw_interior))
     return Plan(FORMAT, obj["model"], dims, tuple(mesh.items()), microbatches, schedule, logical, programs,
-                ranks, lineage)
+                ranks, lineage, interior)
 
 
 def _positive_ints(obj: Any, path: str, what: str) -> dict[str, int]:
@@ -485,7 +494,7 @@ def _parse_ranks(obj: Any, num_ranks: int) -> RankMap:
 
 # -- writing --------------------------------------------------------------------------------
 # How many levels of each top-level field are laid out one item per line; deeper is compact.
-_EXPAND = {"logical": 2, "programs": 3, "lineage": 1}
+_EXPAND = {"logical": 2, "programs": 3, "lineage": 1, "interior": 1}
 
 
 def dumps(obj: dict) -> str:

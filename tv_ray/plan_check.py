@@ -15,7 +15,7 @@ from typing import Iterable
 import numpy as np
 
 from tv_ray.errors import PlanError, TvRayError
-from tv_ray.ir import Expr, Graph
+from tv_ray.ir import Expr, Graph, Node
 from tv_ray.ir.lint import lint
 from tv_ray.ir.ops import ATTRS, COMMUNICATION, RANK_DEPENDENT
 from tv_ray.plan import Fixed, Lineage, Plan, gc_paused
@@ -143,18 +143,24 @@ class _LineageCheck:
         _check_peers(self.plan)
         by_tensor: dict[str, list[int]] = defaultdict(list)
         for i, entry in enumerate(self.plan.lineage):
-            self.entry(i, entry)
+            self.entry(f"lineage[{i}]", entry, self.logical_shapes)
             by_tensor[entry.tensor].append(i)
         self.inputs_have_one_entry(by_tensor)
         self.outputs_covered()
+        if self.plan.interior:
+            shapes = dict(self.logical_shapes)
+            for node in self.plan.logical.nodes:
+                shapes.setdefault(node.name, self.sizes.shape(node.shape, f"logical.ops: {node.name}.shape"))
+            for i, entry in enumerate(self.plan.interior):
+                self.entry(f"interior[{i}]", entry, shapes)
 
     def programs_selected(self, entry: Lineage) -> list[int]:
         if entry.where not in self._programs_of_where:
             self._programs_of_where[entry.where] = [int(p) for p in np.unique(self.ids[self.plan.selects(entry)])]
         return self._programs_of_where[entry.where]
 
-    def entry(self, i: int, entry: Lineage) -> None:
-        path, plan, mesh = f"lineage[{i}]", self.plan, self.plan.axis_sizes
+    def entry(self, path: str, entry: Lineage, logical_shapes: dict[str, tuple[int, ...]]) -> None:
+        plan, mesh = self.plan, self.plan.axis_sizes
         axes_text = ", ".join(plan.axes)
         for axis, coord in entry.where:
             if axis not in mesh:
@@ -162,11 +168,12 @@ class _LineageCheck:
             if not 0 <= coord < mesh[axis]:
                 raise PlanError(f"{path}.where.{axis}: coordinate {coord} is outside the mesh "
                                 f"({axis} has {mesh[axis]} positions)")
-        if entry.logical not in self.logical_shapes:
-            raise PlanError(f"{path}.logical: {entry.logical!r} is neither an input nor an output of the "
-                            f"logical graph")
+        if entry.logical not in logical_shapes:
+            what = "is not a tensor" if logical_shapes is not self.logical_shapes else \
+                "is neither an input nor an output"
+            raise PlanError(f"{path}.logical: {entry.logical!r} {what} of the logical graph")
         used: list[str] = []
-        shape = list(self.logical_shapes[entry.logical])
+        shape = list(logical_shapes[entry.logical])
         for j, (dim, factors) in enumerate(entry.slice):
             where = f"{path}.slice[{j}]"
             if dim >= len(shape):
@@ -192,8 +199,24 @@ class _LineageCheck:
         for axis in set(used):
             if used.count(axis) > 1:
                 raise PlanError(f"{path}: axis {axis!r} is used twice in the slice and partial axes")
+        check = self.entry_in_program if path.startswith("lineage") else self.interior_in_program
         for pid in self.programs_selected(entry):
-            self.entry_in_program(path, entry, pid, tuple(shape))
+            check(path, entry, pid, tuple(shape))
+
+    def interior_in_program(self, path: str, entry: Lineage, pid: int, local: tuple[int, ...]) -> None:
+        """Intermediate lineage names a float op of the program, shaped like its slice."""
+        name = self.names[pid]
+        program = self.plan.programs[name]
+        node = program.value(entry.tensor) if entry.tensor in program else None
+        if not isinstance(node, Node):
+            rank = int(np.argmax(self.plan.selects(entry) & (self.ids == pid)))
+            raise PlanError(f"{path}.tensor: {self.plan.describe(rank)} runs {name!r}, which has no op "
+                            f"{entry.tensor!r}")
+        have = self.sizes.shape(node.shape, f"programs.{name}: {entry.tensor}.shape")
+        if have != local or node.dtype != "float" or self.plan.logical.dtype_of(entry.logical) != "float":
+            raise PlanError(f"{path}: {entry.tensor!r} in program {name!r} is {node.dtype} {_fmt(have)}, but its "
+                            f"slice of {entry.logical!r} is {self.plan.logical.dtype_of(entry.logical)} "
+                            f"{_fmt(local)}")
 
     def entry_in_program(self, path: str, entry: Lineage, pid: int, local: tuple[int, ...]) -> None:
         name = self.names[pid]

@@ -168,3 +168,21 @@ def test_send_to_a_peer_outside_the_mesh():
     obj = mutated(pp_plan())
     obj["programs"]["stage0"] = pp_stage0(peer={"pp": -1})     # src and dst swapped
     assert refused(obj) == "programs.stage0.ops[2].attrs.peer: rank 0 (pp=0) has no peer at pp-1 (pp has 2 positions)"
+
+
+def test_intermediate_lineage_is_checked_like_boundary_lineage():
+    """`interior` entries: an op of the program, a tensor of the logical graph, the slice's shape."""
+    good = [entry("h", slice_=[(1, ["tp"])]), entry("p", partial=["tp"]), entry("y", "p")]
+    obj = tp_plan()
+    obj["interior"] = good
+    plan = Plan.from_json(obj)
+    assert [e.tensor for e in plan.interior] == ["h", "p", "y"]
+    obj["interior"] = good + [entry("x", "h", slice_=[(1, ["tp"])])]
+    assert refused(obj) == "interior[3].tensor: rank 0 (tp=0) runs 'tp', which has no op 'x'"
+    obj["interior"] = good + [entry("h", "hidden")]
+    assert refused(obj) == "interior[3].logical: 'hidden' is not a tensor of the logical graph"
+    obj["interior"] = good + [entry("h")]
+    assert refused(obj) == ("interior[3]: 'h' in program 'tp' is float (4, 4), but its slice of 'h' is "
+                            "float (4, 8)")
+    obj["interior"] = {"h": "h"}
+    assert refused(obj) == "interior: expected a list of lineage entries"

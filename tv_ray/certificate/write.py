@@ -4,8 +4,9 @@ Files under OUT:
 
 - ``certificate.json`` — format, tool and solver versions, the plan file and
   its SHA-256, the logical graph's SHA-256, the shape reduction with its side
-  conditions, the axioms used, the inferred claims dropped as wrong guesses
-  (the checker drops them too), counts by verdict and by tier, the stage DAG
+  conditions, the axioms used, the cut points by source (boundary lineage,
+  stated intermediate lineage, inferred by value), the claims dropped as
+  wrong guesses (the checker drops them too), counts by verdict and by tier, the stage DAG
   summary, the composition check, the obligations file's SHA-256, and
   ``manifest_sha256`` over everything else (so an edited byte is caught);
 - ``obligations.parquet`` — one row per obligation: id, stage (the logical
@@ -21,6 +22,7 @@ import hashlib
 import json
 import platform
 import sys
+from collections import Counter
 from importlib import metadata
 from pathlib import Path
 
@@ -119,6 +121,8 @@ def write_certificate(outcome: Outcome, out: str | Path, plan_path: str | Path |
         "logical_sha256": hashlib.sha256(canonical(outcome.plan.logical.to_json())).hexdigest(),
         "reduction": outcome.reduction.to_json(),
         "axioms": axioms,
+        "claims": dict(Counter("boundary" if c.boundary else "stated" if c.given else "inferred"
+                               for c in outcome.claims.values())),
         "claims_dropped": [[rank, tensor] for rank, tensor in outcome.dropped],
         "counts": outcome.counts(),
         "tiers": outcome.tiers(),

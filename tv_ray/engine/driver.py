@@ -20,14 +20,17 @@ from tqdm import tqdm
 
 from tv_ray.engine.executor import Executor, LocalExecutor, SolveTask
 from tv_ray.engine.solve import Budget, Verdict
-from tv_ray.partition.claims import Claim, infer_claims, output_claims, runs_for, ConcreteRun
+from tv_ray.partition.claims import (Claim, ConcreteRun, group_value, infer_claims, interior_claims, output_claims,
+                                    runs_for)
 from tv_ray.partition.keys import formula_key
-from tv_ray.partition.stages import Obligation, Partition, partition
+from tv_ray.partition.stages import Obligation, Partition, claim_id, partition
 from tv_ray.plan import Plan
 from tv_ray.reduce import Reduction, reduce_plan
+from tv_ray.simulate import max_abs_deviation
 
 BATCH = 64
 REFINE_ROUNDS = 4
+TOL = 1e-8       # a program output further than this from its lineage in a concrete run is wrong
 
 
 @dataclass
@@ -44,7 +47,8 @@ class Outcome:
     problems: list[str] = field(default_factory=list)     # composition failures (never proved then)
     phases: dict[str, float] = field(default_factory=dict)
     executor: str = ""
-    dropped: list[tuple[int, str]] = field(default_factory=list)   # inferred claims refuted as wrong guesses
+    dropped: list[tuple[int, str]] = field(default_factory=list)   # claims refuted as wrong guesses
+    deviations: list[dict] = field(default_factory=list)   # program outputs wrong in the concrete runs
 
     @property
     def status(self) -> str:
@@ -75,12 +79,29 @@ class Outcome:
 
 
 def claims_for(plan: Plan, dims: dict[str, int], seed: int = 0):
-    """The concrete runs and every claim (boundary lineage, then matched by value)."""
+    """The concrete runs and every claim (boundary lineage, intermediate lineage, then matched by value)."""
     runs, input_claims = runs_for(plan, dims, seed)
     shapes = {name: value.shape for name, value in runs[0].logical.items()}
-    fixed = {**input_claims, **output_claims(plan, shapes)}
+    fixed = {**input_claims, **interior_claims(plan, shapes), **output_claims(plan, shapes)}
     eligible = [name for name, value in runs[0].logical.items() if value.dtype.kind == "f"]
     return runs, infer_claims(plan, runs, fixed, eligible)
+
+
+def output_deviations(plan: Plan, runs: list[ConcreteRun]) -> list[dict]:
+    """Program outputs whose concrete value differs from their output lineage in some run (largest first)."""
+    shapes = {name: value.shape for name, value in runs[0].logical.items()}
+    seen, out = set(), []
+    for (rank, tensor), claim in output_claims(plan, shapes).items():
+        members = tuple(plan.group(rank, claim.partial)) if claim.partial else (rank,)
+        if (members, tensor) in seen:
+            continue
+        seen.add((members, tensor))
+        worst = max((max_abs_deviation(p, run.logical[claim.logical][claim.slices()]) for run in runs
+                     if (p := group_value(run, members, tensor)) is not None), default=0.0)
+        if worst > TOL:
+            out.append({"stage": claim_id(members, tensor), "ranks": list(members), "tensor": tensor,
+                        "logical": claim.logical, "max_abs_dev": worst})
+    return sorted(out, key=lambda d: -d["max_abs_dev"])
 
 
 def obligations_of(plan: Plan, seed: int = 0, dropped: Iterable[tuple[int, str]] = ()
@@ -157,10 +178,13 @@ def verify_plan(plan: Plan, *, budget: Budget = Budget(), executor: Executor | N
                 progress: bool | None = None, seed: int = 0) -> Outcome:
     """Run the whole verification of `plan`; never raises on a failed proof (see `Outcome.status`).
 
-    A claim inferred by value that a stage refutes was a wrong guess (values
-    can agree at every sampled point by structure, like a max that always
-    picks the same column): it is dropped and the stages around it are cut
-    again, up to `REFINE_ROUNDS` times. Boundary claims are never dropped.
+    When some program output is wrong in the concrete runs, the plan has a
+    bug and the first refuted stage is where it shows: nothing is re-cut.
+    Otherwise a refuted claim (inferred by value, or stated by the plan's
+    intermediate lineage) was a wrong guess — values can agree at every
+    sampled point by structure, like a max that always picks the same column
+    — so it is dropped and the stages around it are cut again, up to
+    `REFINE_ROUNDS` times. Boundary claims are never dropped.
     """
     phases: dict[str, float] = Counter()
     t = time.perf_counter()
@@ -168,6 +192,7 @@ def verify_plan(plan: Plan, *, budget: Budget = Budget(), executor: Executor | N
     phases["reduce"] += time.perf_counter() - t
     t = time.perf_counter()
     runs, claims = claims_for(plan, reduction.reduced, seed)
+    deviations = output_deviations(plan, runs)
     phases["claims"] += time.perf_counter() - t
     executor = executor or LocalExecutor()
     show = sys.stderr.isatty() if progress is None else progress
@@ -182,7 +207,7 @@ def verify_plan(plan: Plan, *, budget: Budget = Budget(), executor: Executor | N
         _solve(part, budget, executor, verdicts, show, keys)
         phases["solve"] += time.perf_counter() - t
         wrong = [o for o in part.obligations if verdicts[keys[o.id]].verdict == "refuted" and not o.claim.boundary]
-        if not wrong:
+        if not wrong or deviations:
             break
         for ob in wrong:
             for rank in ob.ranks:
@@ -191,8 +216,9 @@ def verify_plan(plan: Plan, *, budget: Budget = Budget(), executor: Executor | N
     proved = {o.id for o in part.obligations if verdicts[keys[o.id]].proved}
     problems = composition_problems(plan, part, proved)
     return Outcome(plan, reduction, part, runs, claims, keys, {k: verdicts[k] for k in set(keys.values())},
-                   problems, dict(phases), getattr(executor, "name", type(executor).__name__), sorted(dropped))
+                   problems, dict(phases), getattr(executor, "name", type(executor).__name__), sorted(dropped),
+                   deviations)
 
 
-__all__ = ["Outcome", "verify_plan", "obligations_of", "claims_for", "composition_problems",
+__all__ = ["Outcome", "verify_plan", "obligations_of", "claims_for", "composition_problems", "output_deviations",
            "state_lineage_problems"]

@@ -82,11 +82,20 @@ class Lowering:
         self._cache: dict[tuple, Local] = {}
         self._count = 0
         self._shapes: dict[Layout, tuple[Expr, ...]] = {}
+        # what each local name holds: (logical tensor, layout, microbatch copy or None) — intermediate lineage
+        self.holds: dict[str, tuple[str, Layout, int | None]] = {}
 
     # -- building blocks ---------------------------------------------------------------
     def _fresh(self, base: str) -> str:
         self._count += 1
         return f"{base}~{self._count}"
+
+    def _hold(self, local: Local, logical: str | None) -> Local:
+        if logical is not None:
+            many = len(local.names) > 1
+            for m, name in enumerate(local.names):
+                self.holds.setdefault(name, (logical, local.layout, m if many else None))
+        return local
 
     def _emit(self, name: str, op: Op, args, attrs: Mapping[str, Any], shape, dtype: str, meta) -> str:
         self.nodes.append(Node.make(name, op, args, attrs, shape, dtype, meta))
@@ -114,7 +123,7 @@ class Lowering:
             self.inputs.append(TensorSpec(name, self.local_shape(layout), spec.dtype, spec.role,
                                           spec.high, spec.positive))
         local = Local(layout, names, spec.dtype)
-        self.values[spec.name] = local
+        self.values[spec.name] = self._hold(local, spec.name)
         return local
 
     # -- conversions ----------------------------------------------------------------------
@@ -153,8 +162,12 @@ class Lowering:
                 cur = self._redistribute(cur, d, dst.dims[d], gather, meta)
         if not _same(cur.layout, dst):
             raise ParallelConfigError(f"internal: converting {v.names[0]} to {dst} ended at {cur.layout}")
-        self._cache[key] = cur
+        self._cache[key] = self._hold(cur, self._logical_of(v))
         return cur
+
+    def _logical_of(self, v: Local) -> str | None:
+        held = self.holds.get(v.names[0])
+        return held[0] if held else None
 
     def _scatter_dim(self, src: Layout, dst: Layout, axis: str) -> int | None:
         """The dim where `dst` cuts `axis` on the first factor just inside `src`'s cuts (a reduce_scatter)."""
@@ -175,7 +188,7 @@ class Lowering:
         shape = self.local_shape(out)
         for name in v.names:
             names.append(self._emit(self._fresh(name.split("~")[0]), op, [name], attrs, shape, v.dtype, meta))
-        return Local(out, tuple(names), v.dtype)
+        return self._hold(Local(out, tuple(names), v.dtype), self._logical_of(v))
 
     def _mb_reduce(self, v: Local, kind: str, meta) -> Local:
         out = self._drop_partial(v.layout, [MB])
@@ -297,7 +310,7 @@ class Lowering:
                 name = self._emit(self._fresh(name), Op.DIV, [name], {"other": float(dec.divide_by)},
                                   shape, node.dtype, dict(mmeta))
             names.append(name)
-        local = Local(out, tuple(names), node.dtype)
+        local = self._hold(Local(out, tuple(names), node.dtype), node.name)
         if force is not None:
             local = self.convert(local, force, meta)
         self.values[node.name] = local

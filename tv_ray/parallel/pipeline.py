@@ -19,7 +19,7 @@ from typing import Mapping
 from tv_ray.errors import ParallelConfigError
 from tv_ray.ir.graph import Graph, Node
 from tv_ray.ir.ops import Op
-from tv_ray.parallel.lineage import lineage_entry
+from tv_ray.parallel.lineage import interior_entries, lineage_entry
 from tv_ray.parallel.lower import Lowering
 from tv_ray.parallel.spec import ParallelSpec
 
@@ -48,14 +48,19 @@ def _prune(program: Graph) -> Graph:
 
 
 def split_stages(lowering: Lowering, graph: Graph, spec: ParallelSpec, mesh: Mapping[str, int],
-                 layers: int | None = None):
-    """The programs by name and the lineage entries of a lowered step."""
+                 layers: int | None = None, reference: Graph | None = None):
+    """The programs by name, the boundary lineage and the intermediate lineage of a lowered step.
+
+    `graph` is the graph that was lowered; intermediate lineage names only tensors of `reference` (the
+    plan's logical graph, which the lowered one rewrote exactly: a rewritten node keeps its name)."""
+    reference = reference or graph
     program = lowering.graph("main")
     if spec.pp == 1:
         program = _prune(program)
-        return {"main": program}, _lineage(lowering, graph, {}, {s.name for s in program.inputs},
-                                           set(program.output_map))
-    return Stager(program, graph, spec, layers).build(lowering)
+        return ({"main": program},
+                _lineage(lowering, graph, {}, {s.name for s in program.inputs}, set(program.output_map)),
+                interior_entries(lowering, reference, program, {}))
+    return Stager(program, graph, spec, layers).build(lowering, reference)
 
 
 class Stager:
@@ -107,7 +112,7 @@ class Stager:
                 grad_home[grad_of[node.name]] = stage[node.name]
         return stage, phase
 
-    def build(self, lowering: Lowering):
+    def build(self, lowering: Lowering, reference: Graph):
         stage, phase = self.assign()
         producers = {n.name: n for n in self.program.nodes}
         members = self._members(stage, producers)
@@ -122,13 +127,14 @@ class Stager:
             for out, value in self.program.outputs:
                 if s in out_stages[out] and value in producers and stage[value] not in (None, s):
                     tags.setdefault((value, s), len(tags))
-        programs, lineage = {}, []
+        programs, lineage, interior = {}, [], []
         for s in range(self.pp):
             program = self._program(s, stage, phase, members[s], out_stages, producers, tags)
             programs[program.name] = program
             lineage += _lineage(lowering, self.logical, {"pp": s}, {i.name for i in program.inputs},
                                 set(program.output_map))
-        return programs, lineage
+            interior += interior_entries(lowering, reference, program, {"pp": s})
+        return programs, lineage, interior
 
     def _members(self, stage, producers) -> dict[int, list[str]]:
         """The ops each stage runs: its own, plus the floating ops they (transitively) read."""

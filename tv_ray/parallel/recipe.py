@@ -159,10 +159,11 @@ def _build(graph: Graph, spec: ParallelSpec, dims: Mapping[str, int], model: str
     for name, value in graph.outputs:
         lowering.output(name, value, recipe.output_layout(name))
     mesh = {a: getattr(spec, a) for a in MESH_ORDER if getattr(spec, a, 1) > 1} or {"dp": 1}
-    programs, lineage = split_stages(lowering, graph, spec, mesh, layers)
+    programs, lineage, interior = split_stages(lowering, graph, spec, mesh, layers, logical)
     plan = Plan(format=FORMAT, model=model, dims=dict(dims), mesh=tuple(mesh.items()), microbatches=spec.mb,
                 schedule=schedule, logical=logical, programs=programs,
                 ranks=RankMap("stage{pp}" if spec.pp > 1 else "main"),
-                lineage=tuple(Lineage.from_json(entry, f"lineage[{i}]") for i, entry in enumerate(lineage)))
+                lineage=tuple(Lineage.from_json(entry, f"lineage[{i}]") for i, entry in enumerate(lineage)),
+                interior=tuple(Lineage.from_json(entry, f"interior[{i}]") for i, entry in enumerate(interior)))
     check_plan(plan)
     return plan

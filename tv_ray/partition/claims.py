@@ -10,6 +10,11 @@ a logical tensor — or whose group sum does — is claimed to. A claim found
 this way is only a guess: it becomes an obligation and is proved like any
 other. Tensors with no claim are interior to a stage.
 
+Where the plan states intermediate lineage (``interior``, written by the
+built-in parallelizer for every op output it laid out), those claims are
+taken as stated (`given`) instead of matched — still only cut points: each is
+proved like any other, and a false one is reported where it is false.
+
 Matching prefers the logical node the physical op says it realises (meta
 ``realises``), then the earliest equal value in logical order (later equal
 values are copies of it).
@@ -40,6 +45,7 @@ class Claim:
     shape: tuple[int, ...]
     partial: tuple[str, ...] = ()
     boundary: bool = False      # from the plan's lineage (an input: assumed; an output: required)
+    given: bool = False         # from the plan's intermediate lineage (required, like an output)
 
     def slices(self) -> tuple:
         """The index of the slice (0-d tensors included: the result stays an array)."""
@@ -120,6 +126,17 @@ def output_claims(plan: Plan, logical_shapes: dict[str, tuple[int, ...]]) -> dic
             bounds = plan.slice_bounds(entry, rank, logical_shapes[tensor_name])
             out[rank, tensor] = Claim(tensor_name, tuple(a for a, _ in bounds), tuple(b - a for a, b in bounds),
                                       tuple(entry.partial), True)
+    return out
+
+
+def interior_claims(plan: Plan, logical_shapes: dict[str, tuple[int, ...]]) -> dict[tuple[int, str], Claim]:
+    """The claims the plan's intermediate lineage states, keyed by (rank, program tensor)."""
+    out: dict[tuple[int, str], Claim] = {}
+    for entry in plan.interior:
+        for rank in (int(r) for r in np.flatnonzero(plan.selects(entry))):
+            bounds = plan.slice_bounds(entry, rank, logical_shapes[entry.logical])
+            out[rank, entry.tensor] = Claim(entry.logical, tuple(a for a, _ in bounds),
+                                            tuple(b - a for a, b in bounds), tuple(entry.partial), given=True)
     return out
 
 
@@ -310,5 +327,6 @@ def infer_claims(plan: Plan, runs: list[ConcreteRun], fixed: dict[tuple[int, str
     return claims
 
 
-__all__ = ["Claim", "ConcreteRun", "run_concrete", "infer_claims", "output_claims", "boundary_inputs",
+__all__ = ["Claim", "ConcreteRun", "run_concrete", "infer_claims", "output_claims", "interior_claims",
+           "boundary_inputs",
            "run_logical", "LogicalIndex", "candidates", "group_value"]

@@ -1,0 +1,86 @@
+"""The 14 TrainVerify bug classes (A1–A14) as mutations of llama3-tiny dp=2,tp=2,pp=2,mb=2 (AdamW, clip 1.0).
+
+Each mutant (tests/engine/mutants.py) is well-formed and numerically wrong.
+`verify_plan` must refute it, and the report's first refuted stage must be
+where the bug first shows: on the rank(s) running the change — that very
+rank for a one-rank bug — at a tensor downstream of the change, in the
+change's phase and layer (`Mutant.diagnosis_problems`). The exact stage is
+pinned below, with the factor the report states where the mismatch is a
+simple one. The unmodified plan must be proved (a false alarm is a bug of ours).
+"""
+import pytest
+
+from tests.engine.mutants import MUTANTS, Mutant, a4_control, base_plan
+from tv_ray.diagnose import diagnose
+from tv_ray.engine.driver import verify_plan
+from tv_ray.plan_check import check_plan
+from tv_ray.simulate import simulate
+
+# class -> (ranks, tensor, phase, what the report says about the mismatch or None)
+PINNED = {
+    "A1": ((5,), "_unsafe_view_18@0~9", "fwd", "physical is one rank's partial sum over tp"),
+    "A2": ((2,), "t_50~59", "bwd", "physical is one rank's partial sum over dp"),
+    "A3": ((5,), "view_37@0~31", "bwd", None),
+    "A4": ((1,), "embedding@0~3", "fwd", None),
+    "A5": ((0,), "embedding_dense_backward~83", "bwd", None),
+    "A6": ((5,), "mul_11@0<0", "fwd", None),
+    "A7": ((5,), "mul_17@0", "fwd", "physical = 1.41421 × logical"),
+    "A8": ((5,), "pow_6@0", "fwd", None),
+    "A9": ((1,), "add_5@1", "fwd", "physical = logical + 0.00099"),
+    "A10": ((0, 1), "mm_36@0", "bwd", None),
+    "A11": ((1,), "mul_73@1", "bwd", "physical = 0.642093 × logical"),
+    "A12": ((6,), "nll_loss_backward@0", "bwd", "physical = 2 × logical: a sum where a mean was meant"),
+    "A13": ((5,), "nll_loss_backward@0", "bwd", "physical = 2 × logical: a sum where a mean was meant"),
+    "A14": ((0,), "t_54~62", "bwd", None),
+}
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return base_plan()
+
+
+def _describe(outcome) -> str:
+    first = outcome.first_refuted()
+    where = "" if first is None else (f"first refuted: ranks={first.ranks} {first.program}.{first.tensor} "
+                                      f"= {first.claim.describe()} module={first.module!r} phase={first.phase}")
+    return f"status {outcome.status} {outcome.counts()} problems {outcome.problems[:3]} {where}"
+
+
+def test_base_plan_is_proved(plan):
+    assert plan.interior, "the parallelizer states intermediate lineage"
+    outcome = verify_plan(plan, progress=False)
+    assert outcome.status == "proved", _describe(outcome)
+
+
+def test_a4_starts_from_a_correct_all_gather_rewrite(plan):
+    """A4 first rewrites the embedding forward to gather embed.weight; that rewrite alone is correct."""
+    control = a4_control(plan)
+    check_plan(control)
+    assert not simulate(control, seed=0).deviating(1e-9)
+    outcome = verify_plan(control, progress=False)
+    assert outcome.status == "proved", _describe(outcome)
+
+
+@pytest.mark.parametrize("cls", list(MUTANTS))
+def test_mutant_is_refuted_where_the_bug_is(plan, cls):
+    mutant: Mutant = MUTANTS[cls](plan)
+    assert mutant.cls == cls
+    check_plan(mutant.plan)                     # silent: the plan validates and runs ...
+    outcome = verify_plan(mutant.plan, progress=False)
+    report = f"{cls}: {mutant.description}\n{_describe(outcome)}"
+    assert outcome.deviations, report           # ... with wrong outputs in the concrete runs
+    assert outcome.status == "refuted", report
+    first = outcome.first_refuted()
+    assert not mutant.diagnosis_problems(first), f"{report}\n{mutant.diagnosis_problems(first)}"
+    ranks, tensor, phase, factor = PINNED[cls]
+    assert (first.ranks, first.tensor, first.phase) == (ranks, tensor, phase), report
+    diagnosis = diagnose(outcome)
+    assert diagnosis["status"] == "refuted" and diagnosis["outputs_wrong_count"] > 0
+    assert f"{first.program}.{tensor} should equal {first.claim.describe()}" in diagnosis["headline"]
+    stage = diagnosis["stage"]
+    assert stage["ranks"] == list(ranks) and stage["max_abs_dev"] > 1e-6
+    if factor is None:
+        assert "factor" not in stage, stage.get("factor")
+    else:
+        assert stage["factor"].startswith(factor), stage["factor"]
