@@ -1,6 +1,7 @@
 """The tiers on single obligations: what each proves, refutes, or leaves open — and why."""
 from tv_ray.engine.solve import Budget, solve
 from tv_ray.terms import exp, log, max_, sum_, var
+from tv_ray.terms.normal import ground_lemmas
 from tv_ray.terms.onehot import indicator
 
 x, y, z = var("x"), var("y"), var("z")
@@ -43,3 +44,14 @@ def test_indicators_are_drawn_one_hot_so_a_selection_identity_is_not_refuted():
     assert bad.verdict == "refuted"
     values = [bad.point[k] for k in bad.point if k.startswith("onehot:")]
     assert all(val in ("0", "1") for val in values) and values.count("1") <= 1
+
+
+def test_smt_tier_gets_the_normalisers_ground_lemmas_for_exp_and_log():
+    """A split log-softmax re-proved by SMT alone (the checker's independent re-proof): exp and log are
+    uninterpreted for the solvers, so each application comes with the ground equation to its normal form."""
+    lhs, rhs = [log(exp(x - z) + exp(y - z)) + z], [log(exp(x) + exp(y))]
+    v = solve(lhs, rhs, Budget(solvers=("z3",), tiers=(2,)))
+    assert (v.verdict, v.method) == ("proved", "smt:z3") and "exp_add" in v.axioms
+    wrong = solve(lhs, [log(exp(x) + exp(y)) + z], Budget(solvers=("z3",), tiers=(2,)))
+    assert wrong.verdict != "proved"
+    assert ground_lemmas(log(x * y)) == ((), ())      # signs unknown: log(xy) = log x + log y is not stated

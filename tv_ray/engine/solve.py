@@ -3,7 +3,8 @@
 An obligation is a list of equations ``lhs[i] == rhs[i]``. Tier 0 proves the
 equations whose normal forms agree; tier 1 looks for a point where one of the
 rest fails (a counterexample at once); tier 2 races the solvers on each
-equation still open. The verdict is `proved` only when every equation was
+equation still open, with the ground lemmas the normaliser can state (each
+exp / log application equals its normal form). The verdict is `proved` only when every equation was
 proved by a tier that proves; `refuted` when one equation has a replayed
 counterexample; otherwise `unknown` with the reason — never a guess.
 """
@@ -16,7 +17,7 @@ from typing import Sequence
 
 from tv_ray.smt import prove_with_record
 from tv_ray.terms import Refuted, Term, refute
-from tv_ray.terms.normal import NormaliseError, Normaliser
+from tv_ray.terms.normal import NormaliseError, Normaliser, ground_lemmas
 from tv_ray.terms.onehot import consistent
 
 
@@ -110,10 +111,11 @@ def solve(lhs: Sequence[Term], rhs: Sequence[Term], budget: Budget = Budget()) -
         tier = 2
         still = []
         for i in open_:
-            result, _ = prove_with_record(lhs[i], rhs[i], (), budget.solvers, budget.timeout_s)
+            lemmas, used = ground_lemmas(lhs[i], rhs[i])
+            result, _ = prove_with_record(lhs[i], rhs[i], lemmas, budget.solvers, budget.timeout_s)
             if result.proved:
                 methods.add(result.method)
-                axioms |= set(result.axioms)
+                axioms |= set(result.axioms) | (set(used) if lemmas else set())
             elif isinstance(result, Refuted) and consistent(result.point):
                 return _refuted(i, result, 2, "smt", started)
             else:

@@ -372,6 +372,24 @@ def normal_form(term: Term) -> Term:
     return term_of(Normaliser().normalise(term))
 
 
+def ground_lemmas(*roots: Term) -> tuple[tuple[tuple[Term, Term], ...], tuple[str, ...]]:
+    """For tier 2: each exp / log application in the formula equated with its normal form, and the axioms
+    used. Each lemma is a ground instance of the guarded axioms (log_mul only where the normaliser knows
+    both factors positive), so asserting it is sound — never a quantified or unguarded axiom. With them
+    a solver that treats exp and log as uninterpreted can re-check the arithmetic around them."""
+    n = Normaliser()
+    lemmas = []
+    for node in postorder(*roots):
+        if node.kind is Kind.APP and node.payload in ("exp", "log"):
+            try:
+                canonical = n._canon(n.normalise(node))
+            except NormaliseError:
+                continue
+            if canonical != node:
+                lemmas.append((node, canonical))
+    return tuple(lemmas), tuple(sorted(n.axioms))
+
+
 def prove_equal(lhs: Term, rhs: Term) -> Proved | Unknown:
     """Tier 0: Proved(method="normalised", axioms) when the normal forms are equal, else Unknown.
 
@@ -395,4 +413,4 @@ def prove_equal(lhs: Term, rhs: Term) -> Proved | Unknown:
                    f"{to_str(term_of(diff), max_chars=300)}")
 
 
-__all__ = ["prove_equal", "normal_form", "Normaliser", "NormaliseError", "term_of", "AXIOMS"]
+__all__ = ["prove_equal", "normal_form", "ground_lemmas", "Normaliser", "NormaliseError", "term_of", "AXIOMS"]
