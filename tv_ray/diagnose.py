@@ -113,6 +113,9 @@ def diagnose(outcome: Outcome) -> dict:
     report: dict = {"format": "tv-ray-report/1", "status": outcome.status, "model": outcome.plan.model,
                     "counts": counts, "tiers": outcome.tiers(), "dims": outcome.reduction.reduced,
                     "problems": outcome.problems[:20]}
+    if outcome.failure:
+        report["headline"] = f"missing or misrouted communication — {outcome.failure}"
+        return report
     ob = outcome.first_refuted()
     if ob is None:
         open_ = [o for o in outcome.partition.obligations if not outcome.verdict_of(o).proved]

@@ -38,6 +38,11 @@ class SimulationError(TvRayError):
     """Executing a plan's programs failed (deadlock, mismatched collectives, …)."""
 
 
+class CommunicationError(SimulationError):
+    """The plan's communication cannot complete — a deadlock, mismatched collectives, a message of the wrong
+    shape: the plan cannot compute the step at all, which the verifier reports as a refutation."""
+
+
 class CertificateError(TvRayError):
     """A certificate does not check: a changed byte, a missing or altered obligation, a plan edited after
     verification, a composition that does not hold, or a key the checker could not re-prove."""

@@ -14,7 +14,7 @@ from collections import defaultdict, deque
 
 import numpy as np
 
-from tv_ray.errors import SimulationError, TvRayError
+from tv_ray.errors import CommunicationError, SimulationError, TvRayError
 from tv_ray.ir import Graph, Node, Op
 from tv_ray.ir.ops import COLLECTIVES
 from tv_ray.plan import Plan
@@ -69,7 +69,7 @@ class Scheduler:
                 while not state.done and self._step(state):
                     progressed = True
             if not progressed:
-                raise SimulationError(self._deadlock())
+                raise CommunicationError(self._deadlock())
         return [{out: r.env[value] for out, value in r.program.outputs} for r in self.ranks]
 
     # -- the value domain: concrete float64 here; the symbolic interpreter overrides these three
@@ -126,7 +126,7 @@ class Scheduler:
         first = self.ranks[next(iter(arrived))] if arrived else None
         if first is not None and (first.program.nodes[first.pc].op, first.program.nodes[first.pc].attrs) != \
                 (node.op, node.attrs):
-            raise SimulationError(
+            raise CommunicationError(
                 f"mismatched collectives on the {'×'.join(group[0])} group {list(members)} (collective "
                 f"#{slot[1] + 1} there): {self.plan.describe(first.rank)} runs {first.where()} "
                 f"{_op_text(first.program.nodes[first.pc])}, {self.plan.describe(state.rank)} runs "
@@ -143,7 +143,7 @@ class Scheduler:
             peer = self.ranks[member]
             stated = instantiate_shape(peer.program.nodes[peer.pc].shape, self.dims)
             if value.shape != stated:
-                raise SimulationError(f"{self.plan.describe(member)} at {peer.where()}: {_op_text(node)} gives shape "
+                raise CommunicationError(f"{self.plan.describe(member)} at {peer.where()}: {_op_text(node)} gives shape "
                                       f"{value.shape} but the op states {stated}")
             peer.issued[group] += 1
             self._advance(peer, peer.program.nodes[peer.pc], value)
@@ -166,9 +166,9 @@ class Scheduler:
         value, sent_at, extra = queue.popleft()
         want = instantiate_shape(node.attr["size"], self.dims)
         if value.shape != want or self.dtype_of(value) not in (None, node.attr["dtype"]):
-            raise SimulationError(f"{self.plan.describe(state.rank)} at {state.where()} ({describe_node(node)}) "
-                                  f"expects {node.attr['dtype']} {want} but {sent_at} sent "
-                                  f"{self.dtype_of(value) or ''} {value.shape}")
+            raise CommunicationError(f"{self.plan.describe(state.rank)} at {state.where()} ({describe_node(node)}) "
+                                     f"expects {node.attr['dtype']} {want} but {sent_at} sent "
+                                     f"{self.dtype_of(value) or ''} {value.shape}")
         self.receive_extra(extra)
         self._advance(state, node, value)
         return True

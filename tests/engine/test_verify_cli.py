@@ -48,3 +48,21 @@ def test_errors_exit_2_and_say_what(tmp_path, capsys):
     (tmp_path / "broken.json").write_text('{"format": "tv-ray-plan/1", "model": 3')
     assert main(["verify", str(tmp_path / "broken.json"), "-o", str(tmp_path / "o")]) == 2
     assert "tv-ray verify:" in capsys.readouterr().err
+
+
+def test_a_missing_pipeline_send_is_refuted_as_missing_communication(tmp_path, capsys):
+    """Stage 0 never sends one activation: stage 1 waits forever, so the plan computes nothing — refuted
+    (exit 1), and the report names the waiting ranks and what they wait for."""
+    from tv_ray import api
+    plan = api.parallelize(api.capture_step("llama3-tiny", optim="sgd", clip=None), "pp=2", model="llama3-tiny")
+    prog = plan.programs["stage0"]
+    send = next(n for n in prog.nodes if n.op.value == "send")
+    cut = replace(plan, programs={**plan.programs, "stage0": Graph(
+        prog.inputs, tuple(n for n in prog.nodes if n.name != send.name), prog.outputs, prog.name)})
+    cut.save(tmp_path / "cut.json")
+    assert main(["verify", str(tmp_path / "cut.json"), "-o", str(tmp_path / "out"), "-q"]) == 1
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["status"] == "refuted"
+    assert report["headline"].startswith("missing or misrouted communication — deadlock: rank 0 (pp=0) waits at ")
+    assert (f"rank 1 (pp=1) waits at programs.stage1.ops[79] ({send.args[0]}<0 = recv from rank 0 (pp=0), "
+            f"tag {send.attr['tag']})") in report["headline"]

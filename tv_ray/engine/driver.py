@@ -16,10 +16,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
+import networkx as nx
 from tqdm import tqdm
 
 from tv_ray.engine.executor import Executor, LocalExecutor, SolveTask
 from tv_ray.engine.solve import Budget, Verdict
+from tv_ray.errors import CommunicationError
 from tv_ray.partition.claims import (Claim, ConcreteRun, group_value, infer_claims, interior_claims, output_claims,
                                     runs_for)
 from tv_ray.partition.keys import formula_key
@@ -49,10 +51,13 @@ class Outcome:
     executor: str = ""
     dropped: list[tuple[int, str]] = field(default_factory=list)   # claims refuted as wrong guesses
     deviations: list[dict] = field(default_factory=list)   # program outputs wrong in the concrete runs
+    failure: str = ""            # the plan's communication cannot complete (a refutation without stages)
 
     @property
     def status(self) -> str:
         """proved (every obligation proved and the composition holds), refuted, or unknown."""
+        if self.failure:
+            return "refuted"
         verdicts = [self.verdicts[self.keys[o.id]].verdict for o in self.partition.obligations]
         if "refuted" in verdicts:
             return "refuted"
@@ -191,10 +196,15 @@ def verify_plan(plan: Plan, *, budget: Budget = Budget(), executor: Executor | N
     reduction = reduce_plan(plan)
     phases["reduce"] += time.perf_counter() - t
     t = time.perf_counter()
-    runs, claims = claims_for(plan, reduction.reduced, seed)
+    executor = executor or LocalExecutor()
+    try:
+        runs, claims = claims_for(plan, reduction.reduced, seed)
+    except CommunicationError as err:   # missing or misrouted communication: no output is ever computed
+        empty = Partition([], {}, nx.DiGraph(), [])
+        return Outcome(plan, reduction, empty, [], {}, {}, {}, [str(err)], dict(phases),
+                       getattr(executor, "name", type(executor).__name__), failure=str(err))
     deviations = output_deviations(plan, runs)
     phases["claims"] += time.perf_counter() - t
-    executor = executor or LocalExecutor()
     show = sys.stderr.isatty() if progress is None else progress
     verdicts: dict[str, Verdict] = {}
     dropped: list[tuple[int, str]] = []
