@@ -1,7 +1,7 @@
 """The composition check (soundness rule 3) on broken inputs: each failure has its own message."""
 from dataclasses import replace
 
-from tv_ray.engine.driver import composition_problems, obligations_of, state_lineage_problems
+from tv_ray.engine.driver import composition_problems, obligations_of, state_lineage_problems, verify_plan
 from tv_ray.plan import Fixed
 
 
@@ -29,3 +29,22 @@ def test_updated_state_must_leave_with_its_input_lineage(tiny_dp2_plan):
     assert len(problems) == 1
     assert problems[0].startswith(f"{entry.logical} leaves the step with lineage ")
     assert problems[0].endswith("the next step would start inconsistent")
+
+
+def test_a_wrong_plan_is_never_proved_even_by_a_solver_that_proves_everything(tiny_dp2_plan, monkeypatch):
+    """Belt and braces for soundness: an output that is wrong in a concrete run blocks `proved` by itself."""
+    import tv_ray.engine.executor as executor
+    from tv_ray.engine.solve import Verdict
+    from tv_ray.ir import Graph, Node
+
+    prog = tiny_dp2_plan.programs["main"]
+    nodes = list(prog.nodes)
+    i = next(i for i, n in enumerate(nodes) if n.op.value == "all_reduce" and n.get_meta("phase") == "bwd")
+    nodes[i] = Node.make(nodes[i].name, "clone", list(nodes[i].args), {}, nodes[i].shape, nodes[i].dtype,
+                         dict(nodes[i].meta))
+    wrong = replace(tiny_dp2_plan, programs={"main": Graph(prog.inputs, tuple(nodes), prog.outputs, prog.name)})
+    monkeypatch.setattr(executor, "solve", lambda lhs, rhs, budget: Verdict("proved", 0, "normalised"))
+    outcome = verify_plan(wrong, progress=False)
+    assert outcome.counts()["proved"] == outcome.counts()["obligations"]
+    assert outcome.status == "unknown"
+    assert any(p.startswith("program output ") and " in a concrete run" in p for p in outcome.problems)

@@ -225,6 +225,9 @@ def verify_plan(plan: Plan, *, budget: Budget = Budget(), executor: Executor | N
                     dropped.append((rank, ob.tensor))
     proved = {o.id for o in part.obligations if verdicts[keys[o.id]].proved}
     problems = composition_problems(plan, part, proved)
+    # belt and braces: a proof can never stand against an output that is wrong in a concrete run
+    problems += [f"program output {d['stage']} differs from {d['logical']} by {d['max_abs_dev']:.3g} in a concrete "
+                 f"run" for d in deviations]
     return Outcome(plan, reduction, part, runs, claims, keys, {k: verdicts[k] for k in set(keys.values())},
                    problems, dict(phases), getattr(executor, "name", type(executor).__name__), sorted(dropped),
                    deviations)

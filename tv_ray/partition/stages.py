@@ -316,6 +316,8 @@ def expand(lhs: list[Term], rhs: list[Term], logical: LogicalTerms) -> tuple[lis
     Replacing W's atoms by W's definition is the logical graph's own equation,
     so the obligation stays equivalent to the claim; latest tensor first.
     """
+    if all(a is b for a, b in zip(lhs, rhs)):
+        return lhs, rhs          # the same term (a view, a copy, a received value): nothing to unfold
     left, right = _logical_atoms(lhs, logical), _logical_atoms(rhs, logical)
     if left == right:
         return lhs, rhs          # the common case: both sides read the same tensors
