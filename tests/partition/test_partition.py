@@ -61,4 +61,4 @@ def test_a_claim_that_does_not_hold_is_an_obligation_that_fails(plan):
     claims[rank, tensor] = replace(claim, offsets=(0,) + claim.offsets[1:])
     part = partition(plan, reduction.reduced, claims)
     ob = next(o for o in part.obligations if o.ranks == (1,) and o.tensor == tensor)
-    assert solve(ob.lhs, ob.rhs).verdict == "refuted"
+    assert solve(*part.formulas[ob.key]).verdict == "refuted"

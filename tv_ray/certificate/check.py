@@ -132,13 +132,10 @@ def check_certificate(out: str | Path, sample: int | None = None, solvers: tuple
     chosen = sorted(by_key)
     if sample is not None and sample < len(chosen):
         chosen = sorted(random.Random(seed).sample(chosen, sample))
-    formula = {}
-    for ob in part.obligations:
-        formula.setdefault(keys[ob.id], ob)
     for key in chosen:
-        ob = formula[key]
+        lhs, rhs = part.formulas[key]
         for i, (name, budget) in enumerate(_other_budget(by_key[key], solvers, timeout_s)):
-            verdict = solve(ob.lhs, ob.rhs, budget)
+            verdict = solve(lhs, rhs, budget)
             if verdict.proved:
                 report.resolved += 1
                 report.methods[name] = report.methods.get(name, 0) + 1

@@ -24,7 +24,6 @@ from tv_ray.engine.solve import Budget, Verdict
 from tv_ray.errors import CommunicationError
 from tv_ray.partition.claims import (Claim, ConcreteRun, group_value, infer_claims, interior_claims, output_claims,
                                     runs_for)
-from tv_ray.partition.keys import formula_key
 from tv_ray.partition.stages import Obligation, Partition, claim_id, partition
 from tv_ray.plan import Plan
 from tv_ray.reduce import Reduction, reduce_plan
@@ -118,8 +117,7 @@ def obligations_of(plan: Plan, seed: int = 0, dropped: Iterable[tuple[int, str]]
     for key in dropped:
         claims.pop(tuple(key), None)
     part = partition(plan, reduction.reduced, claims)
-    keys = {o.id: formula_key(o.lhs, o.rhs) for o in part.obligations}
-    return reduction, runs, claims, part, keys
+    return reduction, runs, claims, part, {o.id: o.key for o in part.obligations}
 
 
 def composition_problems(plan: Plan, part: Partition, proved: set[str]) -> list[str]:
@@ -159,13 +157,9 @@ def _batches(tasks: list[SolveTask], size: int) -> Iterator[list[SolveTask]]:
 
 def _solve(part: Partition, budget: Budget, executor: Executor, verdicts: dict[str, Verdict], show: bool,
            keys: dict[str, str]) -> None:
-    """Key every obligation and solve the keys not solved yet (each unique key once)."""
-    tasks: dict[str, SolveTask] = {}
-    for ob in part.obligations:
-        key = formula_key(ob.lhs, ob.rhs)
-        keys[ob.id] = key
-        if key not in verdicts and key not in tasks:
-            tasks[key] = SolveTask.make(key, ob.lhs, ob.rhs)
+    """Solve the keys not solved yet (each unique key once)."""
+    keys.update((ob.id, ob.key) for ob in part.obligations)
+    tasks = {key: SolveTask.make(key, lhs, rhs) for key, (lhs, rhs) in part.formulas.items() if key not in verdicts}
     weight = Counter(keys[o.id] for o in part.obligations)
     counts = Counter()
     with tqdm(total=sum(weight[k] for k in tasks), disable=not show, unit="obl", desc="solving",

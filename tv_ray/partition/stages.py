@@ -36,6 +36,7 @@ from tv_ray.errors import TvRayError
 from tv_ray.execute import Scheduler
 from tv_ray.ir import Graph, Node, Op
 from tv_ray.partition.claims import Claim
+from tv_ray.partition.keys import formula_key
 from tv_ray.plan import Plan
 from tv_ray.semantics.symbolic import INF, NEG_INF, STRUCTURAL, as_dtype, choice, eval_symbolic, group_rule
 from tv_ray.semantics.table import instantiate_shape
@@ -147,8 +148,7 @@ class Obligation:
     program: str
     tensor: str
     claim: Claim
-    lhs: list[Term]
-    rhs: list[Term]
+    key: str                        # of the formula computed terms == claim (`Partition.formulas[key]`)
     reads: tuple[str, ...]          # ids of the claims this stage read (obligations or boundary inputs)
     op: str = ""
     module: str = ""
@@ -161,12 +161,17 @@ class Obligation:
 
 @dataclass
 class Partition:
-    """All obligations of a plan, its boundary input claims and the stage DAG."""
+    """All obligations of a plan, its boundary input claims, the stage DAG, and one formula per unique key.
+
+    Only the first formula of each key is kept (`formulas[key] = (lhs, rhs)`): the terms of every other
+    obligation with that key are dropped as soon as it is keyed, so memory follows the unique keys, not
+    the obligations (every data-parallel slot of a stage shares one)."""
 
     obligations: list[Obligation]
     boundary: dict[str, Claim]
     dag: nx.DiGraph
     notes: list[str]
+    formulas: dict[str, tuple[list[Term], list[Term]]] = field(default_factory=dict)
 
 
 def boundary_id(rank: int, tensor: str) -> str:
@@ -186,6 +191,7 @@ class SymbolicRun(Scheduler):
         self.sources: dict[tuple[int, str], frozenset[str]] = {}
         self.pending: dict[str, dict[int, np.ndarray]] = {}
         self.obligations: list[Obligation] = []
+        self.formulas: dict[str, tuple[list[Term], list[Term]]] = {}
         self.notes: list[str] = []
         self.opaque: dict[tuple[int, str], str] = {}
         self._group_sources: frozenset[str] = frozenset()
@@ -288,8 +294,10 @@ class SymbolicRun(Scheduler):
             lhs.append(sum_([as_dtype(v, "float")[idx] for v in values]))
             rhs.append(defined[idx])
         lhs, rhs = expand(lhs, rhs, self.logical)
+        key = formula_key(lhs, rhs)
+        self.formulas.setdefault(key, (lhs, rhs))
         self.obligations.append(Obligation(
-            id=cid, ranks=members, program=state.name, tensor=node.name, claim=claim, lhs=lhs, rhs=rhs,
+            id=cid, ranks=members, program=state.name, tensor=node.name, claim=claim, key=key,
             reads=tuple(sorted(reads)), op=str(node.op), module=node.get_meta("module", "") or "",
             phase=node.get_meta("phase", "") or "", realises=node.get_meta("realises", "") or "",
             mb=node.get_meta("mb"), position=len(self.obligations)))
@@ -356,7 +364,7 @@ def partition(plan: Plan, dims: dict[str, int], claims: dict[tuple[int, str], Cl
         dag.add_node(ob.id, kind="obligation")
         for src in ob.reads:
             dag.add_edge(src, ob.id)
-    return Partition(run.obligations, run.boundary, dag, run.notes)
+    return Partition(run.obligations, run.boundary, dag, run.notes, run.formulas)
 
 
 __all__ = ["Obligation", "Partition", "LogicalTerms", "SymbolicRun", "partition", "expand", "atoms",
