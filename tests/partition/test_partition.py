@@ -43,11 +43,21 @@ def test_dp_slots_share_keys(plan, derived):
     assert len(set(keys.values())) < 0.5 * len(keys)
 
 
-def test_keys_rename_variables_but_not_constants():
-    a, b, c = var("a[0]"), var("b[3]"), var("zz")
-    assert formula_key([a + b], [b + a]) == formula_key([c + a], [a + c])
-    assert formula_key([a * const(2)], [a]) != formula_key([a * const(3)], [a])
-    assert formula_key([a + b], [a]) != formula_key([a + b], [b])
+def test_keys_make_slots_relative_but_keep_constants_and_structure():
+    x = [var(f"x[{i}]") for i in range(8)]
+    y = [var(f"y[{i},0]") for i in range(8)]
+    order = {"x": 3, "y": 7, "u": 10, "w": 14}
+    # the same stage on another slot: indices shifted, summands in another digest order
+    assert formula_key([x[0] * y[1] + x[1] * y[2]], [x[0]], order) == \
+        formula_key([x[5] * y[6] + x[6] * y[7]], [x[5]], order)
+    u, w = var("u[2]"), var("w[4,1]")
+    assert formula_key([x[0] + y[0]], [y[0] + x[0]], order) == formula_key([u + w], [w + u], order)
+    assert formula_key([x[0] * const(2)], [x[0]]) != formula_key([x[0] * const(3)], [x[0]])
+    assert formula_key([x[0] + x[1]], [x[0]]) != formula_key([x[0] + x[1]], [x[1]])
+    layer0 = formula_key([x[0] * y[0]], [var("z[0]")], {"x": 3, "y": 7, "z": 9})
+    assert layer0 == formula_key([x[0] * y[0]], [var("z[0]")], {"x": 30, "y": 71, "z": 90})   # another layer
+    one_hot = [var("onehot:tok[0]=0/3"), var("onehot:tok[0]=1/3"), var("onehot:tok[1]=0/3")]
+    assert formula_key([one_hot[0] + one_hot[1]], [x[0]]) != formula_key([one_hot[0] + one_hot[2]], [x[0]])
 
 
 def test_a_claim_that_does_not_hold_is_an_obligation_that_fails(plan):

@@ -294,7 +294,7 @@ class SymbolicRun(Scheduler):
             lhs.append(sum_([as_dtype(v, "float")[idx] for v in values]))
             rhs.append(defined[idx])
         lhs, rhs = expand(lhs, rhs, self.logical)
-        key = formula_key(lhs, rhs)
+        key = formula_key(lhs, rhs, self.logical.order)
         self.formulas.setdefault(key, (lhs, rhs))
         self.obligations.append(Obligation(
             id=cid, ranks=members, program=state.name, tensor=node.name, claim=claim, key=key,
