@@ -191,12 +191,13 @@ def verify_plan(plan: Plan, *, budget: Budget = Budget(), executor: Executor | N
     phases["reduce"] += time.perf_counter() - t
     t = time.perf_counter()
     executor = executor or LocalExecutor()
+    executor_name = getattr(executor, "name", type(executor).__name__)
     try:
         runs, claims = claims_for(plan, reduction.reduced, seed)
     except CommunicationError as err:   # missing or misrouted communication: no output is ever computed
         empty = Partition([], {}, nx.DiGraph(), [])
-        return Outcome(plan, reduction, empty, [], {}, {}, {}, [str(err)], dict(phases),
-                       getattr(executor, "name", type(executor).__name__), failure=str(err))
+        return Outcome(plan, reduction, empty, [], {}, {}, {}, [str(err)], dict(phases), executor_name,
+                       failure=str(err))
     deviations = output_deviations(plan, runs)
     phases["claims"] += time.perf_counter() - t
     show = sys.stderr.isatty() if progress is None else progress
@@ -223,7 +224,7 @@ def verify_plan(plan: Plan, *, budget: Budget = Budget(), executor: Executor | N
     problems += [f"program output {d['stage']} differs from {d['logical']} by {d['max_abs_dev']:.3g} in a concrete "
                  f"run" for d in deviations]
     return Outcome(plan, reduction, part, runs, claims, keys, {k: verdicts[k] for k in set(keys.values())},
-                   problems, dict(phases), getattr(executor, "name", type(executor).__name__), sorted(dropped),
+                   problems, dict(phases), executor_name, sorted(dropped),
                    deviations)
 
 

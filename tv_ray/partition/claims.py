@@ -47,6 +47,13 @@ class Claim:
     boundary: bool = False      # from the plan's lineage (an input: assumed; an output: required)
     given: bool = False         # from the plan's intermediate lineage (required, like an output)
 
+    @staticmethod
+    def of(plan: Plan, entry, rank: int, logical: str, shape: tuple[int, ...], **flags) -> "Claim":
+        """The claim a lineage entry makes for `rank` on `logical` (of int `shape`)."""
+        bounds = plan.slice_bounds(entry, rank, shape)
+        return Claim(logical, tuple(a for a, _ in bounds), tuple(b - a for a, b in bounds), tuple(entry.partial),
+                     **flags)
+
     def slices(self) -> tuple:
         """The index of the slice (0-d tensors included: the result stays an array)."""
         return tuple(slice(o, o + n) for o, n in zip(self.offsets, self.shape)) + (Ellipsis,)
@@ -104,8 +111,7 @@ def boundary_inputs(plan: Plan, logical: dict[str, np.ndarray]) -> tuple[list[di
             if entry.tensor not in inputs[names[ids[rank]]]:
                 continue
             full = logical[entry.logical]
-            bounds = plan.slice_bounds(entry, rank, full.shape)
-            claim = Claim(entry.logical, tuple(a for a, _ in bounds), tuple(b - a for a, b in bounds), (), True)
+            claim = Claim.of(plan, entry, rank, entry.logical, full.shape, boundary=True)
             claims[rank, entry.tensor] = claim
             values[rank][entry.tensor] = full[claim.slices()].copy()
     return values, claims
@@ -123,9 +129,7 @@ def output_claims(plan: Plan, logical_shapes: dict[str, tuple[int, ...]]) -> dic
             if entry.tensor in {spec.name for spec in program.inputs}:
                 continue
             tensor = program.output_map[entry.tensor]
-            bounds = plan.slice_bounds(entry, rank, logical_shapes[tensor_name])
-            out[rank, tensor] = Claim(tensor_name, tuple(a for a, _ in bounds), tuple(b - a for a, b in bounds),
-                                      tuple(entry.partial), True)
+            out[rank, tensor] = Claim.of(plan, entry, rank, tensor_name, logical_shapes[tensor_name], boundary=True)
     return out
 
 
@@ -134,9 +138,8 @@ def interior_claims(plan: Plan, logical_shapes: dict[str, tuple[int, ...]]) -> d
     out: dict[tuple[int, str], Claim] = {}
     for entry in plan.interior:
         for rank in (int(r) for r in np.flatnonzero(plan.selects(entry))):
-            bounds = plan.slice_bounds(entry, rank, logical_shapes[entry.logical])
-            out[rank, entry.tensor] = Claim(entry.logical, tuple(a for a, _ in bounds),
-                                            tuple(b - a for a, b in bounds), tuple(entry.partial), given=True)
+            out[rank, entry.tensor] = Claim.of(plan, entry, rank, entry.logical, logical_shapes[entry.logical],
+                                               given=True)
     return out
 
 

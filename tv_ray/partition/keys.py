@@ -40,11 +40,12 @@ def relative_names(names: Iterable[str], order: Mapping[str, int]) -> dict[str, 
     """Slot-free names for a formula's variables: each tensor's element indices shifted so the smallest index
     it uses on each dimension is 0; logical tensors numbered by their logical order relative to the earliest
     one the formula reads; other bases (free splits of partial sums, opaque values) numbered in the order of
-    their names without the rank or group prefix; names that are not tensor elements kept. Injective."""
-    parsed, low = {}, {}
+    their names without the rank or group prefix; other names kept behind "=". Injective."""
+    parsed, low, out = {}, {}, {}
     for name in names:
         p = _parse(name)
         if p is None:
+            out[name] = "=" + name
             continue
         parsed[name] = p
         base, idx = p[1], p[2]
@@ -53,9 +54,10 @@ def relative_names(names: Iterable[str], order: Mapping[str, int]) -> dict[str, 
     first = min((order[b] for b in logical), default=0)
     others = sorted((b for b in low if b not in order), key=lambda b: (_SLOT.sub("", b), b))
     label = {b: f"t{order[b] - first}" for b in logical} | {b: f"f{i}" for i, b in enumerate(others)}
-    out = {}
     for name, (pre, base, idx, post) in parsed.items():
         out[name] = f"{pre}{label[base]}[{','.join(str(i - j) for i, j in zip(idx, low[base]))}]{post}"
+    if len(set(out.values())) != len(out):       # a renaming that merged two variables would be unsound
+        raise AssertionError(f"relative names are not injective: {sorted(out.items())[:4]}")
     return out
 
 
@@ -74,7 +76,7 @@ def formula_key(lhs: list[Term], rhs: list[Term], order: Mapping[str, int] | Non
         roots += [left, right]
     nodes = postorder(*roots)
     relative = relative_names((n.payload for n in nodes if n.kind is Kind.VAR), order or {})
-    first = _digests(nodes, lambda name: relative.get(name, "=" + name))
+    first = _digests(nodes, relative.__getitem__)
     alpha = _first_occurrence(roots, first, relative)
     final = _digests(nodes, alpha.__getitem__)
     h = hashlib.sha256(KEY_VERSION + len(roots).to_bytes(8, "big"))
@@ -119,7 +121,7 @@ def _first_occurrence(roots: list[Term], digest: dict[Term, bytes], relative: di
             continue
         seen.add(node)
         if node.kind is Kind.VAR:
-            name = relative.get(node.payload, "=" + node.payload)
+            name = relative[node.payload]
             if is_indicator(name):
                 element, v, n = parse(name)
                 elements.setdefault(element, f"d{len(elements)}")
