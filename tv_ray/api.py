@@ -121,7 +121,7 @@ class Result:
 
 def verify(model_or_plan, parallel: str | None = None, *, optim: str = "adamw", clip: float | None = 1.0,
            sp: bool = False, zero: int = 0, solvers=("z3", "cvc5", "yices"), timeout: float = 10.0,
-           jobs: int = 1, progress: bool | None = None, seed: int = 0, executor=None) -> Result:
+           jobs: int = 1, progress: bool | None = None, seed: int = 0, executor=None, symmetry: bool = True) -> Result:
     """Prove that a plan computes the single-device training step, or find where it does not.
 
     `model_or_plan` is a `Plan`, a plan file path, or a built-in model name (then
@@ -149,10 +149,10 @@ def verify(model_or_plan, parallel: str | None = None, *, optim: str = "adamw", 
     budget = Budget(solvers=tuple(solvers), timeout_s=timeout, seed=seed)
     executor = executor or LocalExecutor(jobs)
     try:
-        outcome = verify_plan(plan, budget=budget, executor=executor, progress=progress, seed=seed)
+        outcome = verify_plan(plan, budget=budget, executor=executor, progress=progress, seed=seed, symmetry=symmetry)
     finally:
         executor.close()
-    settings = {"solvers": list(solvers), "timeout_s": timeout, "jobs": jobs, "seed": seed}
+    settings = {"solvers": list(solvers), "timeout_s": timeout, "jobs": jobs, "seed": seed, "symmetry": symmetry}
     return Result(outcome, diagnose(outcome), settings, plan_path)
 
 

@@ -40,7 +40,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     try:
         result = verify(args.plan or args.model, args.parallel, optim=args.optim, clip=args.clip, sp=args.sp,
                         zero=args.zero, solvers=tuple(args.solvers.split(",")), timeout=args.timeout,
-                        jobs=args.jobs, progress=False if args.quiet else None, seed=args.seed)
+                        jobs=args.jobs, progress=False if args.quiet else None, seed=args.seed,
+                        symmetry=not args.no_symmetry)
         written = result.save(args.output)
     except (TvRayError, OSError, ValueError) as err:
         print(f"tv-ray verify: {_one_line(err)}", file=sys.stderr)
@@ -103,6 +104,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     verify.add_argument("--solvers", default="z3,cvc5,yices", help="tier 2 portfolio (default z3,cvc5,yices)")
     verify.add_argument("--timeout", type=float, default=10.0, metavar="S", help="per-equation solver timeout")
     verify.add_argument("--jobs", type=int, default=1, metavar="N", help="solver processes (default 1)")
+    verify.add_argument("--no-symmetry", action="store_true",
+                        help="run every dp rank in full instead of mirroring the ones the symmetry check allows")
     verify.add_argument("--seed", type=int, default=0, help="seed of the concrete runs and random points")
     verify.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
     verify.set_defaults(func=cmd_verify)

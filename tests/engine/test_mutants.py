@@ -19,7 +19,7 @@ from tv_ray.simulate import simulate
 # class -> (ranks, tensor, phase, what the report says about the mismatch or None)
 PINNED = {
     "A1": ((5,), "_unsafe_view_18@0~9", "fwd", "physical is one rank's partial sum over tp"),
-    "A2": ((2,), "t_50~59", "bwd", "physical is one rank's partial sum over dp"),
+    "A2": ((0,), "t_50~59", "bwd", "physical is one rank's partial sum over dp"),   # every dp rank; 0 first
     "A3": ((5,), "view_37@0~31", "bwd", None),
     "A4": ((1,), "embedding@0~3", "fwd", None),
     "A5": ((0,), "embedding_dense_backward~83", "bwd", None),

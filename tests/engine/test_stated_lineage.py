@@ -10,7 +10,7 @@ def test_stated_claims_are_cut_points_of_a_proof(tiny_dp2_plan):
     assert outcome.status == "proved"
     stated = {key for key, claim in outcome.claims.items() if claim.given}
     assert len(stated) >= len(tiny_dp2_plan.interior)          # every entry, on every rank it selects
-    assert stated <= {(rank, ob.tensor) for ob in outcome.partition.obligations for rank in ob.ranks}
+    assert stated <= {(rank, ob.tensor) for ob in outcome.partition.every() for rank in ob.ranks}
     assert not outcome.dropped
 
 

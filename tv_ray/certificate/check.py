@@ -97,14 +97,16 @@ def check_certificate(out: str | Path, sample: int | None = None, solvers: tuple
     except PlanError as e:
         raise CertificateError(f"{plan_path}: {e}") from None
     reduction, _, _, part, keys = obligations_of(plan, manifest["settings"].get("seed", 0),
-                                                 manifest.get("claims_dropped", []))
+                                                 manifest.get("claims_dropped", []),
+                                                 manifest["settings"].get("symmetry", True))
     if reduction.reduced != manifest["reduction"]["reduced"]:
         raise CertificateError(f"reduced dims {reduction.reduced} differ from the certificate's "
                                f"{manifest['reduction']['reduced']}")
     recorded = {r["id"]: r for r in rows}
     if len(recorded) != len(rows):
         raise CertificateError(f"{TABLE}: an obligation id appears twice")
-    derived = {o.id: o for o in part.obligations}
+    derived = {o.id: o for o in part.every()}
+    keys = {oid: o.key for oid, o in derived.items()}
     for oid in derived:
         if oid not in recorded:
             raise CertificateError(f"obligation {oid} ({derived[oid].claim.describe()}) is missing from {TABLE}")

@@ -70,12 +70,13 @@ def _version(package: str) -> str:
 
 
 def obligation_table(outcome: Outcome) -> pa.Table:
-    """One row per obligation, in stage order."""
+    """One row per obligation: the recorded ones in stage order, then the mirrored ones (each under its
+    representative's key)."""
     cols: dict[str, list] = {k: [] for k in ("id", "stage", "slot", "key", "tier", "method", "verdict", "seconds",
                                               "reads", "program", "tensor", "boundary")}
     first: set[str] = set()
-    for ob in sorted(outcome.partition.obligations, key=lambda o: o.position):
-        key = outcome.keys[ob.id]
+    for ob in outcome.partition.every():        # recorded stages in stage order, then the mirrored ones
+        key = ob.key
         v = outcome.verdicts[key]
         cols["id"].append(ob.id)
         cols["stage"].append(ob.claim.logical)
@@ -126,6 +127,7 @@ def write_certificate(outcome: Outcome, out: str | Path, plan_path: str | Path |
         "claims_dropped": [[rank, tensor] for rank, tensor in outcome.dropped],
         "counts": outcome.counts(),
         "tiers": outcome.tiers(),
+        "symmetry": {"mirrored": part.mirrored, "notes": part.symmetry},
         "stage_dag": {"stages": part.dag.number_of_nodes() - len(part.boundary), "boundary": len(part.boundary),
                       "edges": part.dag.number_of_edges()},
         "composition": {"checked": True, "problems": outcome.problems,

@@ -17,20 +17,24 @@ from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
 import networkx as nx
+import numpy as np
 from tqdm import tqdm
 
 from tv_ray.engine.executor import Executor, LocalExecutor, SolveTask
 from tv_ray.engine.solve import Budget, Verdict
 from tv_ray.errors import CommunicationError
-from tv_ray.partition.claims import (Claim, ConcreteRun, group_value, infer_claims, interior_claims, output_claims,
-                                    runs_for)
+from tv_ray.partition.claims import (Claim, ConcreteRun, group_value, infer_claims, input_claims, interior_claims,
+                                    output_claims, runs_for)
 from tv_ray.partition.stages import Obligation, Partition, claim_id, partition
+from tv_ray.partition.symmetry import Asymmetric, Mirrors, mirrors
 from tv_ray.plan import Plan
 from tv_ray.reduce import Reduction, reduce_plan
+from tv_ray.semantics.table import instantiate_shape
 from tv_ray.simulate import max_abs_deviation
 
 BATCH = 64
 REFINE_ROUNDS = 4
+CONCRETE_LIMIT = 2_000_000    # op executions of one concrete run of every rank
 TOL = 1e-8       # a program output further than this from its lineage in a concrete run is wrong
 
 
@@ -68,8 +72,10 @@ class Outcome:
         return self.verdicts[self.keys[ob.id]]
 
     def counts(self) -> dict[str, int]:
-        c = Counter(self.verdict_of(o).verdict for o in self.partition.obligations)
-        return {"obligations": len(self.partition.obligations), "unique": len(self.verdicts),
+        c = Counter()
+        for key, n in self.partition.key_counts().items():
+            c[self.verdicts[key].verdict] += n
+        return {"obligations": self.partition.size, "unique": len(self.verdicts),
                 "proved": c["proved"], "refuted": c["refuted"], "unknown": c["unknown"]}
 
     def tiers(self) -> dict[str, int]:
@@ -82,17 +88,53 @@ class Outcome:
         return min(bad, key=lambda o: o.position) if bad else None
 
 
-def claims_for(plan: Plan, dims: dict[str, int], seed: int = 0):
-    """The concrete runs and every claim (boundary lineage, intermediate lineage, then matched by value)."""
-    runs, input_claims = runs_for(plan, dims, seed)
+def concrete_size(plan: Plan) -> int:
+    """Op executions of one concrete run of every rank."""
+    names, ids = plan.rank_programs()
+    return sum(len(plan.programs[names[i]].nodes) for i in ids)
+
+
+def claims_for(plan: Plan, dims: dict[str, int], seed: int = 0, ranks: np.ndarray | None = None):
+    """The concrete runs and every claim (boundary lineage, intermediate lineage, then matched by value).
+
+    A plan larger than `CONCRETE_LIMIT` op executions is not run concretely: its claims are its lineage
+    (boundary and intermediate) alone, made only on `ranks` (a mask; mirrored ranks take their
+    representative's), nothing is matched by value and no output is checked at a point — which changes only
+    where stages are cut, never what a proof needs."""
+    if concrete_size(plan) > CONCRETE_LIMIT:
+        shapes = {s.name: instantiate_shape(s.shape, dims) for s in plan.logical.inputs}
+        shapes |= {n.name: instantiate_shape(n.shape, dims) for n in plan.logical.nodes}
+        return [], {**input_claims(plan, shapes, ranks), **interior_claims(plan, shapes, ranks),
+                    **output_claims(plan, shapes, ranks)}
+    runs, input_claims_ = runs_for(plan, dims, seed)
     shapes = {name: value.shape for name, value in runs[0].logical.items()}
-    fixed = {**input_claims, **interior_claims(plan, shapes), **output_claims(plan, shapes)}
+    fixed = {**input_claims_, **interior_claims(plan, shapes), **output_claims(plan, shapes)}
     eligible = [name for name, value in runs[0].logical.items() if value.dtype.kind == "f"]
     return runs, infer_claims(plan, runs, fixed, eligible)
 
 
+def find_mirrors(plan: Plan, dims: dict[str, int], symmetry: bool) -> tuple[Mirrors | None, list[str]]:
+    """The plan's data-parallel mirrors (None, with the reason, when there are none or `symmetry` is off)."""
+    if not symmetry or plan.axis_sizes.get("dp", 1) < 2:
+        return None, []
+    try:
+        return mirrors(plan, dims), []
+    except Asymmetric as why:
+        return None, [f"symmetry: {why}"]
+
+
+def _unmirrored(plan: Plan, found: Mirrors | None) -> np.ndarray | None:
+    if found is None:
+        return None
+    mask = np.ones(plan.num_ranks, dtype=bool)
+    mask[list(found.rep)] = False
+    return mask
+
+
 def output_deviations(plan: Plan, runs: list[ConcreteRun]) -> list[dict]:
     """Program outputs whose concrete value differs from their output lineage in some run (largest first)."""
+    if not runs:
+        return []
     shapes = {name: value.shape for name, value in runs[0].logical.items()}
     seen, out = set(), []
     for (rank, tensor), claim in output_claims(plan, shapes).items():
@@ -108,24 +150,30 @@ def output_deviations(plan: Plan, runs: list[ConcreteRun]) -> list[dict]:
     return sorted(out, key=lambda d: -d["max_abs_dev"])
 
 
-def obligations_of(plan: Plan, seed: int = 0, dropped: Iterable[tuple[int, str]] = ()
+def obligations_of(plan: Plan, seed: int = 0, dropped: Iterable[tuple[int, str]] = (), symmetry: bool = True
                    ) -> tuple[Reduction, list[ConcreteRun], dict, Partition, dict[str, str]]:
     """Reduce, claim (without the `dropped` guesses), partition and key: everything before solving (the
     checker re-runs exactly this)."""
     reduction = reduce_plan(plan)
-    runs, claims = claims_for(plan, reduction.reduced, seed)
+    found, notes = find_mirrors(plan, reduction.reduced, symmetry)
+    runs, claims = claims_for(plan, reduction.reduced, seed, _unmirrored(plan, found))
     for key in dropped:
         claims.pop(tuple(key), None)
-    part = partition(plan, reduction.reduced, claims)
+    part = partition(plan, reduction.reduced, claims, found or False)
+    part.symmetry = notes + part.symmetry
     return reduction, runs, claims, part, {o.id: o.key for o in part.obligations}
 
 
 def composition_problems(plan: Plan, part: Partition, proved: set[str]) -> list[str]:
-    """Soundness rule 3: what keeps the proved stages from composing into the end-to-end claim."""
+    """Soundness rule 3: what keeps the proved stages from composing into the end-to-end claim.
+
+    The recorded stages are checked; a mirrored stage reads its representative's inputs renamed, so its
+    composition is the representative's, renamed."""
     problems = list(part.notes)
     boundary = set(part.boundary)
     for ob in part.obligations:
         for src in ob.reads:
+            src = part.representative(src)     # a mirrored stage stands or falls with its representative's
             if src not in boundary and src not in proved:
                 problems.append(f"stage {ob.id} reads {src}, which is neither boundary lineage nor proved")
     covered = {ob.claim.logical for ob in part.obligations if ob.claim.boundary and ob.id in proved}
@@ -160,11 +208,11 @@ def _solve(part: Partition, budget: Budget, executor: Executor, verdicts: dict[s
     """Solve the keys not solved yet (each unique key once)."""
     keys.update((ob.id, ob.key) for ob in part.obligations)
     tasks = {key: SolveTask.make(key, lhs, rhs) for key, (lhs, rhs) in part.formulas.items() if key not in verdicts}
-    weight = Counter(keys[o.id] for o in part.obligations)
+    weight = part.key_counts()
     counts = Counter()
     with tqdm(total=sum(weight[k] for k in tasks), disable=not show, unit="obl", desc="solving",
               file=sys.stderr, dynamic_ncols=True) as bar:
-        bar.set_postfix_str(f"generated {len(part.obligations)} unique {len(tasks)}")
+        bar.set_postfix_str(f"generated {part.size} unique {len(tasks)}")
         for key, verdict in executor.run(_batches(list(tasks.values()), BATCH), budget):
             verdicts[key] = verdict
             counts[verdict.verdict] += weight[key]
@@ -174,7 +222,7 @@ def _solve(part: Partition, budget: Budget, executor: Executor, verdicts: dict[s
 
 
 def verify_plan(plan: Plan, *, budget: Budget = Budget(), executor: Executor | None = None,
-                progress: bool | None = None, seed: int = 0) -> Outcome:
+                progress: bool | None = None, seed: int = 0, symmetry: bool = True) -> Outcome:
     """Run the whole verification of `plan`; never raises on a failed proof (see `Outcome.status`).
 
     When some program output is wrong in the concrete runs, the plan has a
@@ -192,8 +240,9 @@ def verify_plan(plan: Plan, *, budget: Budget = Budget(), executor: Executor | N
     t = time.perf_counter()
     executor = executor or LocalExecutor()
     executor_name = getattr(executor, "name", type(executor).__name__)
+    found, notes = find_mirrors(plan, reduction.reduced, symmetry)
     try:
-        runs, claims = claims_for(plan, reduction.reduced, seed)
+        runs, claims = claims_for(plan, reduction.reduced, seed, _unmirrored(plan, found))
     except CommunicationError as err:   # missing or misrouted communication: no output is ever computed
         empty = Partition([], {}, nx.DiGraph(), [])
         return Outcome(plan, reduction, empty, [], {}, {}, {}, [str(err)], dict(phases), executor_name,
@@ -205,7 +254,8 @@ def verify_plan(plan: Plan, *, budget: Budget = Budget(), executor: Executor | N
     dropped: list[tuple[int, str]] = []
     for _ in range(REFINE_ROUNDS):
         t = time.perf_counter()
-        part = partition(plan, reduction.reduced, claims)
+        part = partition(plan, reduction.reduced, claims, found or False)
+        part.symmetry = notes + part.symmetry
         phases["partition"] += time.perf_counter() - t
         t = time.perf_counter()
         keys: dict[str, str] = {}

@@ -100,44 +100,58 @@ def run_logical(graph: Graph, dims: dict[str, int], inputs: dict[str, np.ndarray
     return values
 
 
-def boundary_inputs(plan: Plan, logical: dict[str, np.ndarray]) -> tuple[list[dict], dict[tuple[int, str], Claim]]:
-    """Each rank's program inputs sliced from the logical values, and the input claims they rest on."""
+def _on(selected: np.ndarray, ranks: np.ndarray | None) -> np.ndarray:
+    return selected if ranks is None else selected & ranks
+
+
+def input_claims(plan: Plan, logical_shapes: dict[str, tuple[int, ...]],
+                 ranks: np.ndarray | None = None) -> dict[tuple[int, str], Claim]:
+    """The claims the plan's input lineage makes, keyed by (rank, program input) (on `ranks`, a mask: all)."""
     names, ids = plan.rank_programs()
-    values: list[dict[str, np.ndarray]] = [{} for _ in range(plan.num_ranks)]
     claims: dict[tuple[int, str], Claim] = {}
     inputs = {name: {spec.name for spec in plan.programs[name].inputs} for name in names}
     for entry in plan.lineage:
-        for rank in (int(r) for r in np.flatnonzero(plan.selects(entry))):
-            if entry.tensor not in inputs[names[ids[rank]]]:
-                continue
-            full = logical[entry.logical]
-            claim = Claim.of(plan, entry, rank, entry.logical, full.shape, boundary=True)
-            claims[rank, entry.tensor] = claim
-            values[rank][entry.tensor] = full[claim.slices()].copy()
+        for rank in (int(r) for r in np.flatnonzero(_on(plan.selects(entry), ranks))):
+            if entry.tensor in inputs[names[ids[rank]]]:
+                claims[rank, entry.tensor] = Claim.of(plan, entry, rank, entry.logical, logical_shapes[entry.logical],
+                                                      boundary=True)
+    return claims
+
+
+def boundary_inputs(plan: Plan, logical: dict[str, np.ndarray]) -> tuple[list[dict], dict[tuple[int, str], Claim]]:
+    """Each rank's program inputs sliced from the logical values, and the input claims they rest on."""
+    claims = input_claims(plan, {name: value.shape for name, value in logical.items()})
+    values: list[dict[str, np.ndarray]] = [{} for _ in range(plan.num_ranks)]
+    for (rank, tensor), claim in claims.items():
+        values[rank][tensor] = logical[claim.logical][claim.slices()].copy()
     return values, claims
 
 
-def output_claims(plan: Plan, logical_shapes: dict[str, tuple[int, ...]]) -> dict[tuple[int, str], Claim]:
-    """The claims the plan's output lineage requires, keyed by (rank, program tensor)."""
+def output_claims(plan: Plan, logical_shapes: dict[str, tuple[int, ...]],
+                  ranks: np.ndarray | None = None) -> dict[tuple[int, str], Claim]:
+    """The claims the plan's output lineage requires, keyed by (rank, program tensor) (on `ranks`: all)."""
     names, ids = plan.rank_programs()
     out: dict[tuple[int, str], Claim] = {}
     value_of = plan.logical.output_map
+    inputs = {name: {spec.name for spec in plan.programs[name].inputs} for name in names}
+    outputs = {name: plan.programs[name].output_map for name in names}
     for entry in plan.lineage:
         tensor_name = value_of.get(entry.logical, entry.logical)
-        for rank in (int(r) for r in np.flatnonzero(plan.selects(entry))):
-            program = plan.programs[names[ids[rank]]]
-            if entry.tensor in {spec.name for spec in program.inputs}:
+        for rank in (int(r) for r in np.flatnonzero(_on(plan.selects(entry), ranks))):
+            name = names[ids[rank]]
+            if entry.tensor in inputs[name]:
                 continue
-            tensor = program.output_map[entry.tensor]
+            tensor = outputs[name][entry.tensor]
             out[rank, tensor] = Claim.of(plan, entry, rank, tensor_name, logical_shapes[tensor_name], boundary=True)
     return out
 
 
-def interior_claims(plan: Plan, logical_shapes: dict[str, tuple[int, ...]]) -> dict[tuple[int, str], Claim]:
-    """The claims the plan's intermediate lineage states, keyed by (rank, program tensor)."""
+def interior_claims(plan: Plan, logical_shapes: dict[str, tuple[int, ...]],
+                    ranks: np.ndarray | None = None) -> dict[tuple[int, str], Claim]:
+    """The claims the plan's intermediate lineage states, keyed by (rank, program tensor) (on `ranks`: all)."""
     out: dict[tuple[int, str], Claim] = {}
     for entry in plan.interior:
-        for rank in (int(r) for r in np.flatnonzero(plan.selects(entry))):
+        for rank in (int(r) for r in np.flatnonzero(_on(plan.selects(entry), ranks))):
             out[rank, entry.tensor] = Claim.of(plan, entry, rank, entry.logical, logical_shapes[entry.logical],
                                                given=True)
     return out

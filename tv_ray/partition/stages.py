@@ -27,119 +27,32 @@ never proved, while its refutations elsewhere still locate bugs.
 """
 from __future__ import annotations
 
+import functools
+from array import array
+from collections import Counter
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import networkx as nx
 import numpy as np
 
 from tv_ray.errors import TvRayError
 from tv_ray.execute import Scheduler
-from tv_ray.ir import Graph, Node, Op
+from tv_ray.ir import Node, Op
 from tv_ray.partition.claims import Claim
 from tv_ray.partition.keys import formula_key
+from tv_ray.partition.logical import LogicalTerms, atom_name, atoms
+from tv_ray.partition.symmetry import SLOT_RE, DP, Asymmetric, Mirrors, mirrors
 from tv_ray.plan import Plan
-from tv_ray.semantics.symbolic import INF, NEG_INF, STRUCTURAL, as_dtype, choice, eval_symbolic, group_rule
+from tv_ray.semantics.symbolic import as_dtype, eval_symbolic, group_rule
 from tv_ray.semantics.table import instantiate_shape
-from tv_ray.terms import Kind, Term, postorder, substitute, sum_, var
+from tv_ray.terms import Kind, Term, postorder, substitute, sum_
 
 EXPAND_ROUNDS = 24
 EXPAND_GROWTH, EXPAND_SLACK = 3, 1000      # stop unfolding past 3x the formula's size + 1000 nodes
-SHAPE_ONLY = frozenset({Op.FULL_LIKE})      # reads only its input's shape
-INFINITE = frozenset({INF, NEG_INF})
-DERIVE_DEPTH = 24
-DERIVE_COMPUTE = 4
 
 
-def atom_name(tensor: str, idx: tuple[int, ...]) -> str:
-    return f"{tensor}[{','.join(map(str, idx))}]"
-
-
-def atoms(tensor: str, shape: tuple[int, ...]) -> np.ndarray:
-    out = np.empty(shape, dtype=object)
-    for idx in np.ndindex(shape):
-        out[idx] = var(atom_name(tensor, idx))
-    return out
-
-
-@dataclass
-class LogicalTerms:
-    """The logical graph symbolically: each tensor's atoms (or its value, for constants and ints) and definition."""
-
-    graph: Graph
-    dims: dict[str, int]
-    value: dict[str, np.ndarray] = field(default_factory=dict)
-    definition: dict[str, np.ndarray] = field(default_factory=dict)
-    order: dict[str, int] = field(default_factory=dict)
-    atom_of: dict[Term, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
-    nodes: dict[str, Node] = field(default_factory=dict)
-
-    @staticmethod
-    def build(graph: Graph, dims: dict[str, int]) -> "LogicalTerms":
-        lt = LogicalTerms(graph, dims, nodes={n.name: n for n in graph.nodes})
-        varying: set[str] = set()     # floats computed from float inputs: these get atoms
-        for i, spec in enumerate(graph.inputs):
-            shape = instantiate_shape(spec.shape, dims)
-            lt.order[spec.name] = i
-            if spec.dtype == "float":
-                varying.add(spec.name)
-            if spec.dtype == "float":
-                lt.value[spec.name] = lt._atoms(spec.name, shape)
-            else:
-                high = spec.high.eval(dims) if hasattr(spec.high, "eval") else int(spec.high or 2)
-                arr = np.empty(shape, dtype=object)
-                for idx in np.ndindex(shape):
-                    arr[idx] = choice(atom_name(spec.name, idx), high)
-                lt.value[spec.name] = arr
-            lt.definition[spec.name] = lt.value[spec.name]
-        for node in graph.nodes:
-            lt.order[node.name] = len(lt.order)
-            d = eval_symbolic(node, [lt.value[a] for a in node.args], dims)
-            lt.definition[node.name] = d
-            if node.dtype == "float" and node.op not in SHAPE_ONLY and any(a in varying for a in node.args):
-                varying.add(node.name)
-                lt.value[node.name] = lt._atoms(node.name, d.shape, d)
-            else:
-                lt.value[node.name] = d
-        return lt
-
-    def derives_from(self, tensor: str, others: set[str]) -> bool:
-        """Is `tensor` computed from one of `others` by rearrangements (views, copies, slices, cat) and at most
-        `DERIVE_COMPUTE` other ops? (A long chain relates everything in a training step; a short one is a
-        logical intermediate the plan skipped or holds under another name.)"""
-        frontier, seen = [(tensor, 0)], {tensor}
-        for _ in range(DERIVE_DEPTH):
-            nxt = []
-            for name, cost in frontier:
-                node = self.nodes.get(name)
-                if node is None:
-                    continue
-                step = cost + (node.op not in STRUCTURAL)
-                if step > DERIVE_COMPUTE:
-                    continue
-                for a in node.args:
-                    if a in others:
-                        return True
-                    if a not in seen:
-                        seen.add(a)
-                        nxt.append((a, step))
-            frontier = nxt
-            if not frontier:
-                break
-        return False
-
-    def _atoms(self, name: str, shape, definition: np.ndarray | None = None) -> np.ndarray:
-        """Atoms for a tensor's elements; an element whose definition is a constant (a masked attention
-        weight is exactly 0) keeps the constant, so structural zeros stay visible downstream."""
-        arr = atoms(name, shape)
-        for idx in np.ndindex(shape):
-            if definition is not None and (definition[idx].kind is Kind.CONST or definition[idx] in INFINITE):
-                arr[idx] = definition[idx]
-            else:
-                self.atom_of[arr[idx]] = (name, idx)
-        return arr
-
-
-@dataclass
+@dataclass(slots=True)
 class Obligation:
     """One stage at one slot: the computed terms of a claimed tensor must equal its claim."""
 
@@ -172,6 +85,55 @@ class Partition:
     dag: nx.DiGraph
     notes: list[str]
     formulas: dict[str, tuple[list[Term], list[Term]]] = field(default_factory=dict)
+    symmetry: list[str] = field(default_factory=list)     # why ranks were not mirrored, if any
+    copy_ranks: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    copy_of: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))   # its stage's index
+    mirrors: "Mirrors | None" = None
+
+    @property
+    def mirrored(self) -> int:
+        """Stages recorded from a representative's (not held as `Obligation`s)."""
+        return len(self.copy_ranks)
+
+    @property
+    def size(self) -> int:
+        return len(self.obligations) + self.mirrored
+
+    def copy(self, i: int) -> Obligation:
+        """Mirrored stage i, expanded: its representative's stage with ranks, ids and samples moved."""
+        rank, ob = int(self.copy_ranks[i]), self.obligations[self.copy_of[i]]
+        k = self.mirrors.block[rank]
+        image = self.mirrors.image[k]
+        return Obligation(self.mirrors.rename_id(ob.id, k), tuple(image.get(r, r) for r in ob.ranks), ob.program,
+                          ob.tensor, self.mirrors.move(ob.claim, k), ob.key,
+                          tuple(sorted(self.mirrors.rename_id(r, k) for r in ob.reads)), ob.op, ob.module, ob.phase,
+                          ob.realises, ob.mb, ob.position, ob.notes)
+
+    def representative(self, cid: str) -> str:
+        """The recorded stage (or boundary input) a mirrored rank's stage or input id stands for; else `cid`."""
+        if self.mirrors is None:
+            return cid
+        m = SLOT_RE.match(cid)
+        if m is None:
+            return cid
+        ranks = [int(x) for x in m["ranks"].split(",")]
+        blocks = {self.mirrors.block[r] for r in ranks}
+        if len(blocks) != 1 or not all(r in self.mirrors.rep for r in ranks):
+            return cid
+        return self.mirrors.rename_id(cid, blocks.pop())
+
+    def every(self) -> Iterator[Obligation]:
+        """Every stage: the recorded ones, then the mirrored ones expanded one at a time."""
+        yield from self.obligations
+        for i in range(self.mirrored):
+            yield self.copy(i)
+
+    def key_counts(self) -> Counter:
+        """How many stages carry each key."""
+        counts = Counter(o.key for o in self.obligations)
+        for i, n in zip(*np.unique(self.copy_of, return_counts=True)):
+            counts[self.obligations[i].key] += int(n)
+        return counts
 
 
 def boundary_id(rank: int, tensor: str) -> str:
@@ -179,24 +141,52 @@ def boundary_id(rank: int, tensor: str) -> str:
 
 
 def claim_id(members: tuple[int, ...], tensor: str) -> str:
-    return f"r{members[0]}/{tensor}" if len(members) == 1 else f"g{','.join(map(str, members))}/{tensor}"
+    return f"r{members[0]}/{tensor}" if len(members) == 1 else f"{_group_prefix(members)}/{tensor}"
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _group_prefix(members: tuple[int, ...]) -> str:
+    return f"g{','.join(map(str, members))}"
+
+
+class Mirrored:
+    """The value a mirrored rank holds, never computed: its representative's renamed (or, `same`, its
+    representative's exactly — the result of a collective both took part in)."""
+
+    __slots__ = ("shape", "same")
+
+    def __init__(self, shape: tuple[int, ...], same: bool = False):
+        self.shape, self.same = shape, same
 
 
 class SymbolicRun(Scheduler):
-    """The scheduler on object arrays of terms, cutting at claims and recording obligations."""
+    """The scheduler on object arrays of terms, cutting at claims and recording obligations.
+
+    With `mirrors`, a mirrored rank (`tv_ray.partition.symmetry`) steps
+    through its program without computing: its values are `Mirrored`, each of
+    its stages is recorded under its representative's key, and where its value
+    meets other ranks' — a collective across dp — it is computed as the
+    representative's renamed, and the result must again be the
+    representative's renamed (else `Asymmetric`, and the run is repeated with
+    every rank in full). A partial sum over dp of a contribution sum is proved
+    for block 0: the representative's group part equals block 0's contribution.
+    """
 
     def __init__(self, plan: Plan, dims: dict[str, int], logical: LogicalTerms,
-                 claims: dict[tuple[int, str], Claim]):
-        self.logical, self.claims = logical, claims
+                 claims: dict[tuple[int, str], Claim], mirrors: Mirrors | None = None):
+        self.logical, self.claims, self.mirrors = logical, claims, mirrors
+        self.mirrored = mirrors.rep if mirrors else {}
         self.sources: dict[tuple[int, str], frozenset[str]] = {}
         self.pending: dict[str, dict[int, np.ndarray]] = {}
         self.obligations: list[Obligation] = []
+        self.copied = array("i"), array("i")        # (rank, op position) of each mirrored stage, in order
         self.formulas: dict[str, tuple[list[Term], list[Term]]] = {}
         self.notes: list[str] = []
         self.opaque: dict[tuple[int, str], str] = {}
         self._group_sources: frozenset[str] = frozenset()
         self._received: frozenset[str] = frozenset()
         self.boundary: dict[str, Claim] = {}
+        self._shapes: dict[int, tuple[int, ...]] = {}     # id(node) -> its shape at dims (nodes live in the plan)
         rank_inputs = self._inputs(plan)
         super().__init__(plan, dims, rank_inputs, keep=False)
         self._nodes = {name: {n.name: n for n in g.nodes} for name, g in plan.programs.items()}
@@ -204,17 +194,31 @@ class SymbolicRun(Scheduler):
     # -- program inputs from boundary lineage --------------------------------------------------
     def _inputs(self, plan: Plan) -> list[dict[str, np.ndarray]]:
         inputs: list[dict[str, np.ndarray]] = [{} for _ in range(plan.num_ranks)]
-        for (rank, tensor), claim in self.claims.items():
-            program = plan.programs[plan.program_of(rank)]
-            if tensor in {s.name for s in program.inputs}:
-                inputs[rank][tensor] = self.logical.value[claim.logical][claim.slices()]
-                cid = boundary_id(rank, tensor)
-                self.sources[rank, tensor] = frozenset({cid})
+        names, ids = plan.rank_programs()
+        for rank in range(plan.num_ranks):
+            for spec in plan.programs[names[ids[rank]]].inputs:
+                claim = self._claim(rank, spec.name)
+                if claim is None:
+                    continue
+                inputs[rank][spec.name] = (Mirrored(claim.shape) if rank in self.mirrored
+                                           else self.logical.value_at(claim.logical, claim.slices()))
+                cid = boundary_id(rank, spec.name)
+                self.sources[rank, spec.name] = frozenset({cid})
                 self.boundary[cid] = claim
         return inputs
 
     # -- the value domain --------------------------------------------------------------------
     def evaluate(self, state, node: Node, args):
+        mirrored = [a for a in args if isinstance(a, Mirrored)]
+        if mirrored or (state.rank in self.mirrored and not args):
+            same = {a.same for a in mirrored}
+            # a computed constant is every rank's value: the same function of arbitrary parts, so constant
+            constant = all(isinstance(a, Mirrored) or _constant(a) for a in args)
+            if state.rank not in self.mirrored or not constant or len(same) > 1 or (same == {True} and
+                                                                                  len(mirrored) != len(args)):
+                raise Asymmetric(f"{self.plan.describe(state.rank)} {node.name} mixes mirrored and computed values "
+                                 f"({', '.join(f'{n}: {_kind(a)}' for n, a in zip(node.args, args))})")
+            return Mirrored(self._shape(node), same == {True})
         try:
             return eval_symbolic(node, args, self.dims, state.ctx)
         except TvRayError as err:
@@ -234,7 +238,62 @@ class SymbolicRun(Scheduler):
         self._group_sources = frozenset().union(
             *(self.sources.get((m, self.ranks[m].program.nodes[self.ranks[m].pc].args[0]), frozenset())
               for m in members))
-        return group_rule(node.op, values, node.attr)
+        mirrored = [i for i, v in enumerate(values) if isinstance(v, Mirrored)]
+        if len(mirrored) == len(values) and len({v.same for v in values}) == 1:
+            shape = self._shape(node)
+            return [Mirrored(shape, values[0].same) for _ in values]
+        values = list(values)
+        for i in mirrored:
+            values[i] = self._mirror(members, values, members[i])
+        results = list(group_rule(node.op, values, node.attr))
+        slots: dict[int, bool] = {}
+        for i, m in enumerate(members):
+            if m in self.mirrored:
+                results[i] = self._as_mirror(members, results, m, slots)
+        return results
+
+    def _mirror(self, members, values, rank: int) -> np.ndarray:
+        """A mirrored rank's value among a group's `values`, from its representative's."""
+        rep = self.mirrors.image[self.mirrors.block[rank]][rank]
+        mine = values[members.index(rank)]
+        theirs = values[members.index(rep)] if rep in members else None
+        if theirs is None or isinstance(theirs, Mirrored):
+            raise Asymmetric(f"{self.plan.describe(rank)} meets a group without its representative")
+        return theirs if mine.same else self.mirrors.rename(theirs, self.mirrors.block[rank])
+
+    def _as_mirror(self, members, results, rank: int, slots: dict[int, bool]):
+        """A mirrored rank's result of a collective: `Mirrored` when it is its representative's renamed (or
+        the very same value: a result holding parts of a group across dp is no renaming), else computed."""
+        rep = self.mirrors.image[self.mirrors.block[rank]][rank]
+        mine, theirs = results[members.index(rank)].reshape(-1), results[members.index(rep)].reshape(-1)
+        shape = results[members.index(rank)].shape
+        if rep not in slots:         # once per representative: does its result name rank or group parts?
+            slots[rep] = self.mirrors.names_slots(theirs)
+        if not slots[rep] and _identical(mine, self.mirrors.rename(theirs, self.mirrors.block[rank])):
+            return Mirrored(shape)
+        return Mirrored(shape, same=True) if _identical(mine, theirs) else results[members.index(rank)]
+
+    def _claim(self, rank: int, tensor: str) -> Claim | None:
+        """A rank's claim on a tensor: a mirrored rank's is its representative's, moved to its block."""
+        rep = self.mirrored.get(rank)
+        if rep is None:
+            return self.claims.get((rank, tensor))
+        claim = self.claims.get((rep, tensor))
+        return None if claim is None else self.mirrors.move(claim, self.mirrors.block[rank])
+
+    def _members(self, rank: int, axes: tuple[str, ...]) -> tuple[int, ...]:
+        if not axes:
+            return (rank,)
+        members = self.groups.get((rank, axes))
+        if members is None:
+            members = self.groups[rank, axes] = tuple(self.plan.group(rank, axes))
+        return members
+
+    def _shape(self, node: Node) -> tuple[int, ...]:
+        shape = self._shapes.get(id(node))
+        if shape is None:
+            shape = self._shapes[id(node)] = instantiate_shape(node.shape, self.dims)
+        return shape
 
     def dtype_of(self, value):
         return None
@@ -256,58 +315,152 @@ class SymbolicRun(Scheduler):
             reads = frozenset().union(*(self.sources.get((state.rank, a), frozenset()) for a in node.args))
         if key in self.opaque:
             reads = reads | {f"opaque:r{state.rank}/{node.name}"}
-        claim = self.claims.get(key)
+        if isinstance(value, Mirrored) and state.rank not in self.mirrored:
+            raise Asymmetric(f"{self.plan.describe(state.rank)} {node.name} receives a mirrored rank's value")
+        claim = self._claim(state.rank, node.name)
+        if isinstance(value, Mirrored) and value.same and claim is not None and \
+                self.mirrors.blocks.tags.get(claim.logical) is not None:
+            raise Asymmetric(f"{self.plan.describe(state.rank)} {node.name}: a collective's result claimed as "
+                             f"a slice with samples")
         if claim is not None and node.dtype == "float" and node.op != Op.SEND:
             value = self._cut(state, node, value, claim, reads)
         else:
             self.sources[key] = reads
+        freed = self.frees[state.name][state.pc]
         super()._advance(state, node, value)
+        for name in freed:                  # a value read for the last time: nothing reads its sources again
+            self.sources.pop((state.rank, name), None)
 
-    def _cut(self, state, node: Node, value: np.ndarray, claim: Claim, reads: frozenset[str]) -> np.ndarray:
+    def _cut(self, state, node: Node, value, claim: Claim, reads: frozenset[str]):
         rank = state.rank
-        members = tuple(self.plan.group(rank, claim.partial)) if claim.partial else (rank,)
+        members = self._members(rank, claim.partial)
         cid = claim_id(members, node.name)
         self.sources[rank, node.name] = frozenset({cid})
-        target = self.logical.value[claim.logical][claim.slices()]
         if not claim.partial:
+            if isinstance(value, Mirrored):
+                self._copy(cid, members, state, node, claim, reads)
+                return Mirrored(claim.shape)
             self._record(cid, members, state, node, claim, [value], reads)
-            return target
+            return self.logical.value_at(claim.logical, claim.slices())
         parts = self.pending.setdefault(cid, {})
         parts[rank] = (value, reads)
-        position = members.index(rank)
-        free = [atoms(f"{cid}#{p}", claim.shape) for p in range(len(members) - 1)]
+        copied = all(m in self.mirrored for m in members)
         if len(parts) == len(members):
             del self.pending[cid]
-            self._record(cid, members, state, node, claim, [parts[m][0] for m in members],
-                         frozenset().union(*(parts[m][1] for m in members)))
+            reads = frozenset().union(*(parts[m][1] for m in members))
+            values = [parts[m][0] for m in members]
+            kinds = {_kind(v) for v in values}
+            if copied and len(kinds) > 1 and kinds & {"same", "renamed"}:
+                raise Asymmetric(f"stage {cid}: mirrored and computed parts of one all-mirrored group "
+                                 f"({', '.join(f'rank {m}: {_kind(v)}' for m, v in zip(members, values))})")
+            if copied and kinds & {"same", "renamed"}:
+                self._copy(cid, members, state, node, claim, reads)
+            else:
+                self._record_group(cid, members, state, node, claim, values, reads)
+        if copied and isinstance(value, Mirrored):
+            return Mirrored(claim.shape)
+        position = members.index(rank)
         if position < len(members) - 1:
-            return free[position]
+            return atoms(f"{cid}#{position}", claim.shape)
+        free = [atoms(f"{cid}#{p}", claim.shape) for p in range(len(members) - 1)]
+        target = self.logical.value_at(claim.logical, claim.slices())
         out = np.empty(claim.shape, dtype=object)
         for idx in np.ndindex(claim.shape):
             out[idx] = target[idx] - sum_([f[idx] for f in free])
         return out
 
-    def _record(self, cid, members, state, node: Node, claim: Claim, values, reads) -> None:
-        defined = self.logical.definition[claim.logical][claim.slices()]
-        lhs, rhs = [], []
-        for idx in np.ndindex(claim.shape):
-            lhs.append(sum_([as_dtype(v, "float")[idx] for v in values]))
-            rhs.append(defined[idx])
+    def _record_group(self, cid, members, state, node: Node, claim: Claim, values, reads) -> None:
+        """A partial claim's group is complete: the group's sum against the slice (mirrored parts renamed),
+        or, for a contribution sum whose group spans every dp block evenly, dp block 0's part alone."""
+        if not any(isinstance(v, Mirrored) for v in values):
+            return self._record(cid, members, state, node, claim, values, reads)
+        mirrors = self.mirrors
+        block = mirrors.block
+        first = [m for m in members if block[m] == 0]
+        even = all(m in self.mirrored or block[m] == 0 for m in members) and \
+            sorted(block[m] for m in members) == sorted(k for k in range(mirrors.blocks.count // mirrors.width)
+                                                        for _ in first)
+        renamed = all(not v.same for v in values if isinstance(v, Mirrored)) and \
+            all(isinstance(v, Mirrored) for m, v in zip(members, values) if block[m] != 0)
+        if claim.logical in mirrors.blocks.sums and even and renamed:
+            part = [v for m, v in zip(members, values) if block[m] == 0]
+            return self._record(cid, members, state, node, claim, part, reads,
+                                rhs=self.logical.contribution_of(claim.logical, claim.slices(), mirrors.width))
+        values = [self._mirror(members, values, m) if isinstance(v, Mirrored) else v for m, v in zip(members, values)]
+        return self._record(cid, members, state, node, claim, values, reads)
+
+    def _copy(self, cid, members, state, node: Node, claim: Claim, reads) -> None:
+        """A stage of mirrored ranks: its representative's, renamed; only where it sits is kept (the
+        partition expands it from the representative's stage, `Partition.copy`)."""
+        self.copied[0].append(state.rank)
+        self.copied[1].append(state.pc)
+
+    def _record(self, cid, members, state, node: Node, claim: Claim, values, reads, rhs=None) -> None:
+        lhs = [sum_([as_dtype(v, "float")[idx] for v in values]) for idx in np.ndindex(claim.shape)]
+        if rhs is None and _logical_atoms(lhs, self.logical) == {claim.logical}:
+            # computed from the claimed tensor's own atoms (a copy, a received slice, a group's parts summed):
+            # the claim is that they equal those atoms — no need to unfold its definition (for a weight
+            # gradient that is a sum over every sample of the batch)
+            rhs = self.logical.value_at(claim.logical, claim.slices())
+        if rhs is None:
+            defined = self.logical.definition_at(claim.logical, claim.slices())
+            rhs = [defined[idx] for idx in np.ndindex(claim.shape)]
+        else:
+            rhs = [rhs[idx] for idx in np.ndindex(claim.shape)]
         lhs, rhs = expand(lhs, rhs, self.logical)
         key = formula_key(lhs, rhs, self.logical.order)
         self.formulas.setdefault(key, (lhs, rhs))
+        self._append(cid, members, state, node, claim, key, reads)
+
+    def _append(self, cid, members, state, node: Node, claim: Claim, key: str, reads) -> None:
         self.obligations.append(Obligation(
             id=cid, ranks=members, program=state.name, tensor=node.name, claim=claim, key=key,
             reads=tuple(sorted(reads)), op=str(node.op), module=node.get_meta("module", "") or "",
             phase=node.get_meta("phase", "") or "", realises=node.get_meta("realises", "") or "",
             mb=node.get_meta("mb"), position=len(self.obligations)))
 
+    def resolve_copies(self) -> tuple[np.ndarray, np.ndarray]:
+        """(mirrored rank, index of the representative's stage) for every mirrored stage."""
+        index = {ob.id: i for i, ob in enumerate(self.obligations)}
+        ranks, pcs = np.asarray(self.copied[0], dtype=np.int32), np.asarray(self.copied[1], dtype=np.int32)
+        reps = np.empty(len(ranks), dtype=np.int32)
+        for i, (rank, pc) in enumerate(zip(ranks.tolist(), pcs.tolist())):
+            node = self.ranks[rank].program.nodes[pc]
+            claim = self._claim(rank, node.name)
+            k = self.mirrors.block[rank]
+            members = tuple(self.mirrors.image[k][m] for m in self._members(rank, claim.partial))
+            rep = claim_id(members, node.name)
+            if rep not in index:
+                raise Asymmetric(f"{self.plan.describe(rank)} {node.name} mirrors stage {rep}, which no "
+                                 f"representative recorded")
+            reps[i] = index[rep]
+        return ranks, reps
+
+
+def _kind(value) -> str:
+    return "computed" if not isinstance(value, Mirrored) else "same" if value.same else "renamed"
+
+
+def _constant(value: np.ndarray) -> bool:
+    """No variable (and no data element) in any element."""
+    terms = [t for t in value.reshape(-1) if isinstance(t, Term)]
+    if any(not isinstance(t, (Term, int, float, bool, np.integer, np.floating, np.bool_)) for t in value.reshape(-1)):
+        return False
+    return not any(n.kind is Kind.VAR for n in postorder(*terms)) if terms else True
+
+
+def _identical(xs, ys) -> bool:
+    """Elementwise the same terms (interned: identity) or equal ints and data choices."""
+    return all(a is b or (not isinstance(a, Term) and not isinstance(b, Term) and a == b) for a, b in zip(xs, ys))
+
 
 def _logical_atoms(terms: list[Term], logical: LogicalTerms) -> set[str]:
     out = set()
     for node in postorder(*terms):
-        if node.kind is Kind.VAR and node in logical.atom_of:
-            out.add(logical.atom_of[node][0])
+        if node.kind is Kind.VAR:
+            tensor = logical.tensor_of(node)
+            if tensor is not None:
+                out.add(tensor)
     return out
 
 
@@ -341,20 +494,45 @@ def expand(lhs: list[Term], rhs: list[Term], logical: LogicalTerms) -> tuple[lis
         derived = [t for t in present if (t in differ and logical.derives_from(t, present - {t}))
                    or logical.derives_from(t, differ - {t})] or list(differ)   # else: the other side inlines it
         tensor = max(derived, key=lambda t: logical.order[t])
-        definition = logical.definition[tensor]
-        values = logical.value[tensor]
-        mapping = {values[idx]: definition[idx] for idx in np.ndindex(values.shape)}
+        mapping = logical.unfolding(tensor, [n for n in postorder(*lhs, *rhs)
+                                             if n.kind is Kind.VAR and logical.tensor_of(n) == tensor])
         memo: dict = {}
         lhs = [substitute(t, mapping, memo) for t in lhs]
         rhs = [substitute(t, mapping, memo) for t in rhs]
     return lhs, rhs
 
 
-def partition(plan: Plan, dims: dict[str, int], claims: dict[tuple[int, str], Claim]) -> Partition:
-    """Run the plan symbolically with cuts at `claims`; the obligations and the stage DAG."""
-    logical = LogicalTerms.build(plan.logical, dims)
-    run = SymbolicRun(plan, dims, logical, claims)
-    run.run()
+def partition(plan: Plan, dims: dict[str, int], claims: dict[tuple[int, str], Claim],
+              symmetry: "bool | Mirrors" = True) -> Partition:
+    """Run the plan symbolically with cuts at `claims`; the obligations and the stage DAG.
+
+    With `symmetry` (True, or the plan's `mirrors` already found), the logical graph is built for one block
+    of samples and dp ranks are mirrored where `tv_ray.partition.symmetry` shows it sound (their claims
+    are their representatives', moved, whatever `claims` holds for them); where it cannot, the note says
+    why and every rank runs in full. Mirrored stages are kept compactly (`Partition.copy`); the stage DAG
+    holds the recorded ones, whose composition the mirrored ones repeat under renaming."""
+    notes: list[str] = []
+    found: Mirrors | None = symmetry if isinstance(symmetry, Mirrors) else None
+    if symmetry is True and plan.axis_sizes.get(DP, 1) > 1:
+        try:
+            found = mirrors(plan, dims)
+        except Asymmetric as why:
+            notes.append(f"symmetry: {why}")
+    logical = LogicalTerms.build(plan.logical, dims, found.blocks if found else None)
+    copies = np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32)
+    try:
+        run = SymbolicRun(plan, dims, logical, claims, found)
+        run.run()
+        copies = run.resolve_copies()
+    except Asymmetric as why:
+        notes.append(f"symmetry: {why}; every rank run in full")
+        have = {r for r, _ in claims}
+        if found and any(rank not in have for rank in found.rep):
+            raise TvRayError(f"data-parallel symmetry failed during the run ({why}) and the claims of the mirrored "
+                             f"ranks were never built; run with --no-symmetry") from None
+        found = None
+        run = SymbolicRun(plan, dims, logical, claims)
+        run.run()
     for cid, parts in run.pending.items():
         run.notes.append(f"{cid}: partial claim produced on ranks {sorted(parts)} only")
     dag = nx.DiGraph()
@@ -364,8 +542,9 @@ def partition(plan: Plan, dims: dict[str, int], claims: dict[tuple[int, str], Cl
         dag.add_node(ob.id, kind="obligation")
         for src in ob.reads:
             dag.add_edge(src, ob.id)
-    return Partition(run.obligations, run.boundary, dag, run.notes, run.formulas)
+    return Partition(run.obligations, run.boundary, dag, run.notes, run.formulas,
+                     notes + (found.notes if found else []), copies[0], copies[1], found)
 
 
 __all__ = ["Obligation", "Partition", "LogicalTerms", "SymbolicRun", "partition", "expand", "atoms",
-           "atom_name", "boundary_id", "claim_id"]
+           "atom_name", "boundary_id", "claim_id", "Mirrored"]

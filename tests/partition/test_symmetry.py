@@ -1,0 +1,100 @@
+"""Data-parallel symmetry: the logical step commutes with permuting samples, and dp ranks are mirrored only
+where that and the plan's own structure make it a theorem."""
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from tv_ray import api
+from tv_ray.engine.driver import claims_for, verify_plan
+from tv_ray.engine.executor import LocalExecutor
+from tv_ray.engine.solve import Budget
+from tv_ray.ir import Graph, Node
+from tv_ray.partition.stages import partition
+from tv_ray.partition.symmetry import Asymmetric, Blocks, Tag, mirrors
+from tv_ray.reduce import reduce_plan
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+from mutants import _set_attrs, edit, with_program  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def step():
+    return api.capture_step("llama3-tiny", optim="adamw", clip=1.0)
+
+
+@pytest.fixture(scope="module")
+def dp4(step):
+    plan = api.parallelize(step, "dp=4", model="llama3-tiny")
+    dims = reduce_plan(plan).reduced
+    return plan, dims, claims_for(plan, dims)[1]
+
+
+def test_the_training_step_commutes_with_permuting_samples(step):
+    blocks = Blocks.of(step, {"batch": 4, "seq": 2, "kv_heads": 2, "n_rep": 2, "head_dim": 2, "ffn": 4, "vocab": 4}, 2)
+    assert blocks.size == 2 and blocks.tags["tokens"] == Tag(0, 1)
+    assert blocks.tags["layers.0.attn.q_proj.weight"] is None
+    assert any(step.value(name).op.value == "mm" for name in blocks.sums)      # weight gradients: sums over samples
+    assert blocks.rename_name("tokens[1,0]", 1) == "tokens[3,0]"
+    assert blocks.rename_name("tokens[3,0]", 1) == "tokens[1,0]"
+    assert blocks.rename_name("onehot:tokens[0,1]=2/4", 1) == "onehot:tokens[2,1]=2/4"
+    assert blocks.rename_name("layers.0.attn.q_proj.weight[0,1]", 1) == "layers.0.attn.q_proj.weight[0,1]"
+
+
+def test_an_op_that_reads_samples_by_position_ends_the_symmetry(step):
+    clone = next(n for n in step.nodes if n.op.value == "clone")
+    sliced = Node.make(clone.name, "slice", clone.args, {"dim": 0, "start": 0, "end": "batch", "step": 1},
+                       clone.shape, clone.dtype)
+    graph = Graph(step.inputs, tuple(sliced if n.name == clone.name else n for n in step.nodes), step.outputs,
+                  step.name)
+    with pytest.raises(Asymmetric) as err:
+        Blocks.of(graph, {"batch": 4, "seq": 2, "kv_heads": 2, "n_rep": 2, "head_dim": 2, "ffn": 4, "vocab": 4}, 2)
+    assert str(err.value) == f"logical op {clone.name} = slice(...): slice along the batch dimension"
+
+
+def test_mirrored_ranks_give_the_same_stages_as_running_every_rank(dp4):
+    plan, dims, claims = dp4
+    full, mirrored = partition(plan, dims, claims, symmetry=False), partition(plan, dims, claims)
+    assert mirrored.symmetry == [] and mirrored.mirrored > 2000
+    everyone = list(mirrored.every())
+    assert mirrored.size == len(everyone) == len(full.obligations)
+    assert sorted((o.id, o.ranks, o.claim, o.reads) for o in full.obligations) == \
+        sorted((o.id, o.ranks, o.claim, o.reads) for o in everyone)
+    same = sum(a.key == b.key for a, b in zip(sorted(full.obligations, key=lambda o: o.id),
+                                              sorted(everyone, key=lambda o: o.id)))
+    # only the dp-partial weight gradients differ: proved as block 0's contribution instead of the whole sum
+    assert len(full.obligations) - same == 22
+    assert len(mirrored.formulas) == len(full.formulas)
+
+
+def test_a_mirrored_plan_is_proved(dp4):
+    plan = dp4[0]
+    outcome = verify_plan(plan, budget=Budget(solvers=("z3",)), executor=LocalExecutor(jobs=1), progress=False)
+    assert outcome.status == "proved" and outcome.partition.mirrored > 2000
+
+
+def test_a_rank_with_its_own_program_runs_in_full_and_its_bug_is_found(dp4):
+    plan, dims, claims = dp4
+    old = plan.programs["main"].value("mul_17")
+    graph = edit(plan.programs["main"], "main_r3", change={"mul_17": _set_attrs(old, other=0.5)})
+    mutant = with_program(plan, "main_r3", graph, overrides=[3])
+    found = mirrors(mutant, dims)
+    assert sorted(found.rep) == [1, 2]
+    assert found.notes == ["rank 3 runs in full: its program differs from dp rank 0's"]
+    outcome = verify_plan(mutant, budget=Budget(solvers=("z3",)), executor=LocalExecutor(jobs=1), progress=False)
+    first = outcome.first_refuted()
+    assert outcome.status == "refuted" and first.ranks == (3,) and first.tensor == "mul_17"
+
+
+def test_a_program_reading_its_dp_coordinate_is_not_mirrored(dp4):
+    plan, dims, claims = dp4
+    program = plan.programs["main"]
+    chunk = Node.make("chunk_probe", "local_chunk", [program.inputs[0].name], {"dim": 0, "axes": ["dp"]},
+                      program.inputs[0].shape, program.inputs[0].dtype)
+    graph = replace(program, nodes=(chunk,) + program.nodes)
+    with pytest.raises(Asymmetric) as err:
+        mirrors(with_program(plan, "main", graph), dims)
+    assert str(err.value) == "program main op chunk_probe = local_chunk reads the dp coordinate"

@@ -1,0 +1,211 @@
+"""The logical graph symbolically: each tensor's atoms (its value) and its definition over its inputs' atoms.
+
+Every logical tensor gets one variable per element (its *atoms*); its
+definition is its op applied to its inputs' atoms. Ints and constants are
+their definitions.
+
+With `Blocks` (a proof that the step commutes with permuting batch samples,
+`tv_ray.partition.symmetry`), only the first block of samples is built: a
+tensor with a batch dimension holds block 0's elements, and any slice
+(`value_at`, `definition_at`) renames block 0 to the blocks it covers. A
+tensor without samples computed from tensors with samples (a weight
+gradient, the loss) is built over the whole batch — its definition only when
+asked, for a contribution sum, whose block-0 part is `contribution`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tv_ray.ir import Graph, Node, Op
+from tv_ray.partition.keys import _parse
+from tv_ray.partition.symmetry import Blocks
+from tv_ray.semantics.symbolic import INF, NEG_INF, STRUCTURAL, choice, eval_symbolic
+from tv_ray.semantics.table import instantiate_shape
+from tv_ray.terms import Kind, Term, sum_, var
+
+SHAPE_ONLY = frozenset({Op.FULL_LIKE})      # reads only its input's shape
+INFINITE = frozenset({INF, NEG_INF})
+DERIVE_DEPTH = 24
+DERIVE_COMPUTE = 4
+
+
+def atom_name(tensor: str, idx: tuple[int, ...]) -> str:
+    return f"{tensor}[{','.join(map(str, idx))}]"
+
+
+def atoms(tensor: str, shape: tuple[int, ...]) -> np.ndarray:
+    out = np.empty(shape, dtype=object)
+    for idx in np.ndindex(shape):
+        out[idx] = var(atom_name(tensor, idx))
+    return out
+
+
+@dataclass
+class LogicalTerms:
+    """The logical graph symbolically: each tensor's atoms (or its value, for constants and ints) and definition."""
+
+    graph: Graph
+    dims: dict[str, int]
+    value: dict[str, np.ndarray] = field(default_factory=dict)
+    definition: dict[str, np.ndarray] = field(default_factory=dict)
+    order: dict[str, int] = field(default_factory=dict)
+    atom_of: dict[Term, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+    nodes: dict[str, Node] = field(default_factory=dict)
+    blocks: Blocks | None = None
+    contribution: dict[str, np.ndarray] = field(default_factory=dict)   # block 0's part of a contribution sum
+    _varying: set[str] = field(default_factory=set)
+
+    @staticmethod
+    def build(graph: Graph, dims: dict[str, int], blocks: Blocks | None = None) -> "LogicalTerms":
+        lt = LogicalTerms(graph, dims, nodes={n.name: n for n in graph.nodes}, blocks=blocks)
+        small = blocks.small if blocks else dims
+        varying = lt._varying     # floats computed from float inputs: these get atoms
+        for i, spec in enumerate(graph.inputs):
+            shape = instantiate_shape(spec.shape, small)
+            lt.order[spec.name] = i
+            if spec.dtype == "float":
+                varying.add(spec.name)
+                lt.value[spec.name] = lt._atoms(spec.name, shape)
+            else:
+                high = spec.high.eval(dims) if hasattr(spec.high, "eval") else int(spec.high or 2)
+                arr = np.empty(shape, dtype=object)
+                for idx in np.ndindex(shape):
+                    arr[idx] = choice(atom_name(spec.name, idx), high)
+                lt.value[spec.name] = arr
+            lt.definition[spec.name] = lt.value[spec.name]
+        for node in graph.nodes:
+            lt.order[node.name] = len(lt.order)
+            varies = node.dtype == "float" and node.op not in SHAPE_ONLY and any(a in varying for a in node.args)
+            if varies:
+                varying.add(node.name)
+            if lt._gathers(node):        # no samples, from tensors with samples: over the whole batch
+                if node.name in blocks.sums:
+                    lt.contribution[node.name] = eval_symbolic(node, [lt.value[a] for a in node.args], small)
+                if node.name in blocks.sums and varies:
+                    lt.value[node.name] = lt._atoms(node.name, instantiate_shape(node.shape, dims))
+                    continue             # its definition is built when asked (`_whole_definition`)
+                d = eval_symbolic(node, [lt.whole(a) for a in node.args], dims)
+            else:
+                d = eval_symbolic(node, [lt.value[a] for a in node.args], small if lt._has_samples(node.name) else dims)
+            lt.definition[node.name] = d
+            lt.value[node.name] = lt._atoms(node.name, d.shape, d) if varies else d
+        return lt
+
+    def _has_samples(self, name: str) -> bool:
+        return self.blocks is not None and self.blocks.tags.get(name) is not None
+
+    def _gathers(self, node: Node) -> bool:
+        return (self.blocks is not None and not self._has_samples(node.name)
+                and any(self._has_samples(a) for a in node.args))
+
+    # -- slices over every block ---------------------------------------------------------------------
+    def whole(self, name: str, kind: str = "value") -> np.ndarray:
+        """A tensor's value (or definition) over the whole batch."""
+        shape = instantiate_shape((self.graph.value(name)).shape, self.dims)
+        return self._at(name, kind, tuple(slice(0, n) for n in shape))
+
+    def value_at(self, name: str, slices: tuple) -> np.ndarray:
+        return self._at(name, "value", slices)
+
+    def definition_at(self, name: str, slices: tuple) -> np.ndarray:
+        return self._at(name, "definition", slices)
+
+    def _at(self, name: str, kind: str, slices: tuple) -> np.ndarray:
+        if kind == "definition" and name not in self.definition:
+            self.definition[name] = self._whole_definition(name)
+        arr = (self.value if kind == "value" else self.definition)[name]
+        if not self._has_samples(name):
+            return arr[slices]
+        tag = self.blocks.tags[name]
+        width = self.blocks.size * tag.q
+        sl = slices[tag.dim]
+        lo, hi = sl.start or 0, sl.stop
+        parts = []
+        for b in range(lo // width, (hi - 1) // width + 1 if hi > lo else lo // width):
+            local = list(slices)
+            local[tag.dim] = slice(max(lo, b * width) - b * width, min(hi, (b + 1) * width) - b * width)
+            parts.append(self.blocks.rename(arr[tuple(local)], b))
+        if not parts:
+            local = list(slices)
+            local[tag.dim] = slice(0, 0)
+            return arr[tuple(local)]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=tag.dim)
+
+    def contribution_of(self, name: str, slices: tuple, width: int) -> np.ndarray:
+        """The part of a contribution sum that blocks [0, width) make: block 0's, plus its renamings."""
+        part = self.contribution[name][slices]
+        out = np.empty(part.shape, dtype=object)
+        renamed = [part] + [self.blocks.rename(part, b) for b in range(1, width)]
+        for idx in np.ndindex(part.shape):
+            out[idx] = sum_([r[idx] for r in renamed]) if width > 1 else part[idx]
+        return out
+
+    def _whole_definition(self, name: str) -> np.ndarray:
+        node = self.nodes[name]
+        return eval_symbolic(node, [self.whole(a) for a in node.args], self.dims)
+
+    def tensor_of(self, atom: Term) -> str | None:
+        """The logical tensor an atom is an element of (None for other variables)."""
+        hit = self.atom_of.get(atom)
+        if hit is not None:
+            return hit[0]
+        if self.blocks is None or atom.kind is not Kind.VAR:
+            return None
+        parsed = _parse(atom.payload)
+        return parsed[1] if parsed and not parsed[0] and parsed[1] in self._varying else None
+
+    def unfolding(self, name: str, present: list[Term]) -> dict[Term, Term]:
+        """Atom → definition for the atoms of `name` in `present` (all of them for a tensor without samples)."""
+        if not self._has_samples(name) and name in self.definition:
+            values, definition = self.value[name], self.definition[name]
+            return {values[idx]: definition[idx] for idx in np.ndindex(values.shape)}
+        out = {}
+        for atom in present:
+            hit = self.atom_of.get(atom)
+            out[atom] = self.element_definition(name, hit[1] if hit else _parse(atom.payload)[2])
+        return out
+
+    def element_definition(self, name: str, idx: tuple[int, ...]) -> Term:
+        """The definition of one element (any block)."""
+        return self._at(name, "definition", tuple(slice(i, i + 1) for i in idx)).reshape(-1)[0]
+
+    def derives_from(self, tensor: str, others: set[str]) -> bool:
+        """Is `tensor` computed from one of `others` by rearrangements (views, copies, slices, cat) and at most
+        `DERIVE_COMPUTE` other ops? (A long chain relates everything in a training step; a short one is a
+        logical intermediate the plan skipped or holds under another name.)"""
+        frontier, seen = [(tensor, 0)], {tensor}
+        for _ in range(DERIVE_DEPTH):
+            nxt = []
+            for name, cost in frontier:
+                node = self.nodes.get(name)
+                if node is None:
+                    continue
+                step = cost + (node.op not in STRUCTURAL)
+                if step > DERIVE_COMPUTE:
+                    continue
+                for a in node.args:
+                    if a in others:
+                        return True
+                    if a not in seen:
+                        seen.add(a)
+                        nxt.append((a, step))
+            frontier = nxt
+            if not frontier:
+                break
+        return False
+
+    def _atoms(self, name: str, shape, definition: np.ndarray | None = None) -> np.ndarray:
+        """Atoms for a tensor's elements; an element whose definition is a constant (a masked attention
+        weight is exactly 0) keeps the constant, so structural zeros stay visible downstream."""
+        arr = atoms(name, shape)
+        for idx in np.ndindex(shape):
+            if definition is not None and (definition[idx].kind is Kind.CONST or definition[idx] in INFINITE):
+                arr[idx] = definition[idx]
+            else:
+                self.atom_of[arr[idx]] = (name, idx)
+        return arr
+
+
+__all__ = ["LogicalTerms", "atoms", "atom_name"]
