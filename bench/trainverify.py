@@ -55,7 +55,6 @@ def main() -> int:
         print(json.dumps(one(args.model, args.configs, args.batch, args.jobs)), flush=True)
         return 0
     out = Path(args.out)
-    rows = json.loads(out.read_text())["rows"] if out.exists() else []
     ok = True
     for spec in args.configs.split(";"):
         child = subprocess.run([sys.executable, __file__, "--one", "--model", args.model, "--configs", spec,
@@ -67,6 +66,7 @@ def main() -> int:
             continue
         row = json.loads(child.stdout.strip().splitlines()[-1])
         print(json.dumps(row), flush=True)
+        rows = json.loads(out.read_text())["rows"] if out.exists() else []     # other runs may have written
         rows = [r for r in rows if r["parallel"] != spec] + [row]
         out.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
         ok &= row["status"] == "proved"
