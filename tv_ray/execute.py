@@ -110,11 +110,17 @@ class Scheduler:
         self._advance(state, node, value)
         return True
 
+    def members(self, rank: int, axes: tuple[str, ...]) -> tuple[int, ...]:
+        """`rank`'s group along `axes` (itself alone for no axes), cached."""
+        if not axes:
+            return (rank,)
+        if (rank, axes) not in self.groups:
+            self.groups[rank, axes] = tuple(self.plan.group(rank, axes))
+        return self.groups[rank, axes]
+
     def _group(self, state: _Rank, node: Node) -> tuple[tuple, tuple[int, ...]]:
         axes = node.attr["axes"]
-        if (state.rank, axes) not in self.groups:
-            self.groups[state.rank, axes] = tuple(self.plan.group(state.rank, axes))
-        members = self.groups[state.rank, axes]
+        members = self.members(state.rank, axes)
         return (axes, members), members
 
     def _collective(self, state: _Rank, node: Node) -> bool:

@@ -26,7 +26,7 @@ from tv_ray.errors import CommunicationError
 from tv_ray.partition.claims import (Claim, ConcreteRun, group_value, infer_claims, input_claims, interior_claims,
                                     output_claims, runs_for)
 from tv_ray.partition.stages import Obligation, Partition, claim_id, partition
-from tv_ray.partition.symmetry import Asymmetric, Mirrors, mirrors
+from tv_ray.partition.symmetry import Mirrors, find_mirrors
 from tv_ray.plan import Plan
 from tv_ray.reduce import Reduction, reduce_plan
 from tv_ray.semantics.table import instantiate_shape
@@ -111,16 +111,6 @@ def claims_for(plan: Plan, dims: dict[str, int], seed: int = 0, ranks: np.ndarra
     fixed = {**input_claims_, **interior_claims(plan, shapes), **output_claims(plan, shapes)}
     eligible = [name for name, value in runs[0].logical.items() if value.dtype.kind == "f"]
     return runs, infer_claims(plan, runs, fixed, eligible)
-
-
-def find_mirrors(plan: Plan, dims: dict[str, int], symmetry: bool) -> tuple[Mirrors | None, list[str]]:
-    """The plan's data-parallel mirrors (None, with the reason, when there are none or `symmetry` is off)."""
-    if not symmetry or plan.axis_sizes.get("dp", 1) < 2:
-        return None, []
-    try:
-        return mirrors(plan, dims), []
-    except Asymmetric as why:
-        return None, [f"symmetry: {why}"]
 
 
 def _unmirrored(plan: Plan, found: Mirrors | None) -> np.ndarray | None:

@@ -42,7 +42,7 @@ from tv_ray.ir import Node, Op
 from tv_ray.partition.claims import Claim
 from tv_ray.partition.keys import formula_key
 from tv_ray.partition.logical import LogicalTerms, atom_name, atoms
-from tv_ray.partition.symmetry import SLOT_RE, DP, Asymmetric, Mirrors, mirrors
+from tv_ray.partition.symmetry import SLOT_RE, Asymmetric, Mirrors, find_mirrors
 from tv_ray.plan import Plan
 from tv_ray.semantics.symbolic import as_dtype, eval_symbolic, group_rule
 from tv_ray.semantics.table import instantiate_shape
@@ -281,14 +281,6 @@ class SymbolicRun(Scheduler):
         claim = self.claims.get((rep, tensor))
         return None if claim is None else self.mirrors.move(claim, self.mirrors.block[rank])
 
-    def _members(self, rank: int, axes: tuple[str, ...]) -> tuple[int, ...]:
-        if not axes:
-            return (rank,)
-        members = self.groups.get((rank, axes))
-        if members is None:
-            members = self.groups[rank, axes] = tuple(self.plan.group(rank, axes))
-        return members
-
     def _shape(self, node: Node) -> tuple[int, ...]:
         shape = self._shapes.get(id(node))
         if shape is None:
@@ -333,7 +325,7 @@ class SymbolicRun(Scheduler):
 
     def _cut(self, state, node: Node, value, claim: Claim, reads: frozenset[str]):
         rank = state.rank
-        members = self._members(rank, claim.partial)
+        members = self.members(rank, claim.partial)
         cid = claim_id(members, node.name)
         self.sources[rank, node.name] = frozenset({cid})
         if not claim.partial:
@@ -428,7 +420,7 @@ class SymbolicRun(Scheduler):
             node = self.ranks[rank].program.nodes[pc]
             claim = self._claim(rank, node.name)
             k = self.mirrors.block[rank]
-            members = tuple(self.mirrors.image[k][m] for m in self._members(rank, claim.partial))
+            members = tuple(self.mirrors.image[k][m] for m in self.members(rank, claim.partial))
             rep = claim_id(members, node.name)
             if rep not in index:
                 raise Asymmetric(f"{self.plan.describe(rank)} {node.name} mirrors stage {rep}, which no "
@@ -511,13 +503,7 @@ def partition(plan: Plan, dims: dict[str, int], claims: dict[tuple[int, str], Cl
     are their representatives', moved, whatever `claims` holds for them); where it cannot, the note says
     why and every rank runs in full. Mirrored stages are kept compactly (`Partition.copy`); the stage DAG
     holds the recorded ones, whose composition the mirrored ones repeat under renaming."""
-    notes: list[str] = []
-    found: Mirrors | None = symmetry if isinstance(symmetry, Mirrors) else None
-    if symmetry is True and plan.axis_sizes.get(DP, 1) > 1:
-        try:
-            found = mirrors(plan, dims)
-        except Asymmetric as why:
-            notes.append(f"symmetry: {why}")
+    found, notes = (symmetry, []) if isinstance(symmetry, Mirrors) else find_mirrors(plan, dims, symmetry)
     logical = LogicalTerms.build(plan.logical, dims, found.blocks if found else None)
     copies = np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32)
     try:

@@ -209,7 +209,6 @@ class Blocks:
     count: int
     small: dict[str, int]                       # the dims of one block
     sums: set[str] = field(default_factory=set)   # logical tensors that are contribution sums over samples
-    _memo: dict = field(default_factory=dict, repr=False)
 
     @staticmethod
     def of(graph: Graph, dims: dict[str, int], count: int) -> "Blocks":
@@ -357,7 +356,7 @@ def mirrors(plan: Plan, dims: dict[str, int]) -> Mirrors:
     width = max(1, plan.microbatches)
     blocks = Blocks.of(plan.logical, dims, count * width)
     names, ids = plan.rank_programs()
-    for name in {names[i] for i in ids}:
+    for name in sorted({names[i] for i in ids}):
         for node in plan.programs[name].nodes:
             if node.op in RANK_DEPENDENT and DP in node.attr.get("axes", ()):
                 raise Asymmetric(f"program {name} op {node.name} = {node.op} reads the dp coordinate")
@@ -390,6 +389,16 @@ def mirrors(plan: Plan, dims: dict[str, int]) -> Mirrors:
     return out
 
 
+def find_mirrors(plan: Plan, dims: dict[str, int], symmetry: bool = True) -> tuple[Mirrors | None, list[str]]:
+    """The plan's data-parallel mirrors (None, with the reason, when there are none or `symmetry` is off)."""
+    if not symmetry or plan.axis_sizes.get(DP, 1) < 2:
+        return None, []
+    try:
+        return mirrors(plan, dims), []
+    except Asymmetric as why:
+        return None, [f"symmetry: {why}"]
+
+
 def _entry_problem(plan: Plan, blocks: Blocks, width: int, entry, shapes) -> str:
     """Why an entry's claims on dp rank k are not dp rank 0's moved by k blocks ('' when they are)."""
     if any(axis == DP for axis, _ in entry.where):
@@ -412,4 +421,4 @@ def _ranks(ranks: list[int]) -> str:
     return f"rank {shown}" if len(ranks) == 1 else f"ranks {shown}"
 
 
-__all__ = ["Asymmetric", "Tag", "Blocks", "Mirrors", "mirrors", "tags_of", "expected_tag", "CONTRIBUTION_SUMS"]
+__all__ = ["Asymmetric", "Tag", "Blocks", "Mirrors", "mirrors", "find_mirrors", "tags_of", "expected_tag", "CONTRIBUTION_SUMS"]
