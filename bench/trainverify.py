@@ -5,9 +5,9 @@
 
 Each config runs in its own process (peak memory is per config): capture the step (AdamW, clip 1.0),
 build the plan, verify it (z3 as the SMT tier), and record the phases, the counts, how many stages were
-mirrored from a data-parallel representative, and the unique keys closed per tier. Rows are appended to
-`--out` as they finish. TrainVerify reported 685 s (dp=512) and 8,532 s (dp=16,tp=8,pp=4,mb=32) on 30
-workers.
+mirrored from a data-parallel representative or moved from microbatch 0, and the unique keys closed per
+tier. Rows are appended to `--out` as they finish. TrainVerify reported 685 s (dp=512) and 8,532 s
+(dp=16,tp=8,pp=4,mb=32) on 30 workers.
 """
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ def one(model: str, spec: str, batch: int, jobs: int) -> dict:
     done = time.perf_counter()
     counts = outcome.counts()
     return {"model": model, "parallel": spec, "batch": batch, "ranks": plan.num_ranks, "status": outcome.status,
-            **counts, "mirrored": outcome.partition.mirrored, "tiers": outcome.tiers(),
+            **counts, "mirrored": outcome.partition.mirrored,
+            "moved": outcome.partition.moved, "tiers": outcome.tiers(),
             "wall_s": round(done - started, 1), "capture_s": round(captured - started, 1),
             "plan_s": round(built - captured, 1), "verify_s": round(done - built, 1),
             "phases_s": {k: round(v, 1) for k, v in outcome.phases.items()}, "dims": outcome.reduction.reduced,

@@ -127,7 +127,7 @@ def write_certificate(outcome: Outcome, out: str | Path, plan_path: str | Path |
         "claims_dropped": [[rank, tensor] for rank, tensor in outcome.dropped],
         "counts": outcome.counts(),
         "tiers": outcome.tiers(),
-        "symmetry": {"mirrored": part.mirrored, "notes": part.symmetry},
+        "symmetry": {"mirrored": part.mirrored, "moved": part.moved, "notes": part.symmetry},
         "stage_dag": {"stages": part.dag.number_of_nodes() - len(part.boundary), "boundary": len(part.boundary),
                       "edges": part.dag.number_of_edges()},
         "composition": {"checked": True, "problems": outcome.problems,

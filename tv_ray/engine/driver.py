@@ -149,7 +149,7 @@ def obligations_of(plan: Plan, seed: int = 0, dropped: Iterable[tuple[int, str]]
     runs, claims = claims_for(plan, reduction.reduced, seed, _unmirrored(plan, found))
     for key in dropped:
         claims.pop(tuple(key), None)
-    part = partition(plan, reduction.reduced, claims, found or False)
+    part = partition(plan, reduction.reduced, claims, found or (symmetry and not notes))
     part.symmetry = notes + part.symmetry
     return reduction, runs, claims, part, {o.id: o.key for o in part.obligations}
 
@@ -244,7 +244,7 @@ def verify_plan(plan: Plan, *, budget: Budget = Budget(), executor: Executor | N
     dropped: list[tuple[int, str]] = []
     for _ in range(REFINE_ROUNDS):
         t = time.perf_counter()
-        part = partition(plan, reduction.reduced, claims, found or False)
+        part = partition(plan, reduction.reduced, claims, found or (symmetry and not notes))
         part.symmetry = notes + part.symmetry
         phases["partition"] += time.perf_counter() - t
         t = time.perf_counter()

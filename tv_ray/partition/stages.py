@@ -42,7 +42,7 @@ from tv_ray.ir import Node, Op
 from tv_ray.partition.claims import Claim
 from tv_ray.partition.keys import formula_key
 from tv_ray.partition.logical import LogicalTerms, atom_name, atoms
-from tv_ray.partition.symmetry import SLOT_RE, Asymmetric, Mirrors, find_mirrors
+from tv_ray.partition.symmetry import SLOT_RE, Asymmetric, Mirrors, Moves, find_mirrors, microbatch_moves
 from tv_ray.plan import Plan
 from tv_ray.semantics.symbolic import as_dtype, eval_symbolic, group_rule
 from tv_ray.semantics.table import instantiate_shape
@@ -89,6 +89,7 @@ class Partition:
     copy_ranks: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     copy_of: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))   # its stage's index
     mirrors: "Mirrors | None" = None
+    moved: int = 0                  # recorded stages of microbatches k > 0 taken from microbatch 0's (one key)
 
     @property
     def mirrored(self) -> int:
@@ -159,6 +160,16 @@ class Mirrored:
         self.shape, self.same = shape, same
 
 
+class Moved:
+    """A value of microbatch k never computed: microbatch 0's `base` renamed (`Moves.rename`), built only when
+    it meets a value that is not (`SymbolicRun._real`)."""
+
+    __slots__ = ("base", "k", "shape", "real")
+
+    def __init__(self, base: np.ndarray, k: int):
+        self.base, self.k, self.shape, self.real = base, k, base.shape, None
+
+
 class SymbolicRun(Scheduler):
     """The scheduler on object arrays of terms, cutting at claims and recording obligations.
 
@@ -170,12 +181,28 @@ class SymbolicRun(Scheduler):
     representative's renamed (else `Asymmetric`, and the run is repeated with
     every rank in full). A partial sum over dp of a contribution sum is proved
     for block 0: the representative's group part equals block 0's contribution.
+
+    With `moves` (microbatch symmetry), a rank reading block 0 computes
+    microbatch 0 and keeps each op's arguments and result; an op of another
+    microbatch k whose arguments are those, renamed to block k (`Moved`) or
+    left alone by the renaming, gives that result renamed without computing,
+    and where such a value is cut at a claim that is microbatch 0's claim
+    moved to block k, the stage is microbatch 0's renamed: it takes that
+    stage's key, and its terms are never built.
     """
 
     def __init__(self, plan: Plan, dims: dict[str, int], logical: LogicalTerms,
-                 claims: dict[tuple[int, str], Claim], mirrors: Mirrors | None = None):
-        self.logical, self.claims, self.mirrors = logical, claims, mirrors
+                 claims: dict[tuple[int, str], Claim], mirrors: Mirrors | None = None, moves: Moves | None = None):
+        self.logical, self.claims, self.mirrors, self.moves = logical, claims, mirrors, moves
         self.mirrored = mirrors.rep if mirrors else {}
+        # microbatch 0's values per rank (`moves`): op and collective results by (op, arguments), continuations
+        # of cuts by claim, and the stage each cut value was recorded in; dropped when the rank ends
+        self._memo: dict[int, dict] = {}
+        self._conts: dict[int, dict] = {}
+        self._parts0: dict[int, dict] = {}
+        self._cuts0: dict[int, dict] = {}
+        self._footprints: dict[int, dict] = {}
+        self.moved = 0
         self.sources: dict[tuple[int, str], frozenset[str]] = {}
         self.pending: dict[str, dict[int, np.ndarray]] = {}
         self.obligations: list[Obligation] = []
@@ -201,7 +228,7 @@ class SymbolicRun(Scheduler):
                 if claim is None:
                     continue
                 inputs[rank][spec.name] = (Mirrored(claim.shape) if rank in self.mirrored
-                                           else self.logical.value_at(claim.logical, claim.slices()))
+                                           else self._continuation(rank, claim))
                 cid = boundary_id(rank, spec.name)
                 self.sources[rank, spec.name] = frozenset({cid})
                 self.boundary[cid] = claim
@@ -209,6 +236,20 @@ class SymbolicRun(Scheduler):
 
     # -- the value domain --------------------------------------------------------------------
     def evaluate(self, state, node: Node, args):
+        rank = state.rank
+        if any(isinstance(a, Moved) for a in args):
+            hit = self._moved(rank, node, args)
+            if hit is not None:
+                return hit
+            args = [self._real(a) for a in args]
+        elif self._movable(rank) and node.get_meta("mb") in (0, None):
+            out = self._evaluate(state, node, args)
+            if (rank, node.name) not in self.opaque:
+                self._memo.setdefault(rank, {})[_memo_key(node, args)] = (args, out)
+            return out
+        return self._evaluate(state, node, args)
+
+    def _evaluate(self, state, node: Node, args):
         mirrored = [a for a in args if isinstance(a, Mirrored)]
         if mirrored or (state.rank in self.mirrored and not args):
             same = {a.same for a in mirrored}
@@ -238,6 +279,18 @@ class SymbolicRun(Scheduler):
         self._group_sources = frozenset().union(
             *(self.sources.get((m, self.ranks[m].program.nodes[self.ranks[m].pc].args[0]), frozenset())
               for m in members))
+        if any(isinstance(v, Moved) for v in values):
+            hit = self._moved_group(node, members, values)
+            if hit is not None:
+                return hit
+            values = [self._real(v) for v in values]
+        elif all(self._movable(m) for m in members):
+            results = self._evaluate_group(node, members, values)
+            self._memo.setdefault(members[0], {})[_memo_key(node, values, members)] = (values, results)
+            return results
+        return self._evaluate_group(node, members, values)
+
+    def _evaluate_group(self, node: Node, members, values):
         mirrored = [i for i, v in enumerate(values) if isinstance(v, Mirrored)]
         if len(mirrored) == len(values) and len({v.same for v in values}) == 1:
             shape = self._shape(node)
@@ -259,6 +312,7 @@ class SymbolicRun(Scheduler):
         theirs = values[members.index(rep)] if rep in members else None
         if theirs is None or isinstance(theirs, Mirrored):
             raise Asymmetric(f"{self.plan.describe(rank)} meets a group without its representative")
+        theirs = self._real(theirs)
         return theirs if mine.same else self.mirrors.rename(theirs, self.mirrors.block[rank])
 
     def _as_mirror(self, members, results, rank: int, slots: dict[int, bool]):
@@ -272,6 +326,106 @@ class SymbolicRun(Scheduler):
         if not slots[rep] and _identical(mine, self.mirrors.rename(theirs, self.mirrors.block[rank])):
             return Mirrored(shape)
         return Mirrored(shape, same=True) if _identical(mine, theirs) else results[members.index(rank)]
+
+    # -- microbatch symmetry ----------------------------------------------------------------------
+    def _movable(self, rank: int) -> bool:
+        """Does the rank read block 0 first (its microbatch 0), so its other microbatches may be moved?"""
+        return self.moves is not None and rank not in self.mirrored and \
+            (self.mirrors is None or self.mirrors.block[rank] == 0)
+
+    def _real(self, value):
+        """A `Moved` value's terms (built once); any other value as it is."""
+        if not isinstance(value, Moved):
+            return value
+        if value.real is None:
+            value.real = self.moves.rename(value.base, value.k)
+        return value.real
+
+    def _fixed(self, rank: int, value, k: int) -> bool:
+        """Does renaming microbatch 0 to k leave the value alone (no sample of block 0 or k, no free part)?"""
+        cache = self._footprints.setdefault(rank, {})
+        seen = cache.get(id(value))
+        if seen is None or seen[0] is not value:
+            seen = cache[id(value)] = (value, self.moves.footprint(value))
+        blocks, parts = seen[1]
+        return not parts and 0 not in blocks and k not in blocks
+
+    def _moved(self, rank: int, node: Node, args) -> Moved | None:
+        """Microbatch 0's result of this op, renamed, when the arguments are microbatch 0's renamed."""
+        ks = {a.k for a in args if isinstance(a, Moved)}
+        if len(ks) != 1 or not self._movable(rank):
+            return None
+        bases = [a.base if isinstance(a, Moved) else a for a in args]
+        entry = self._memo.get(rank, {}).get(_memo_key(node, bases))
+        if entry is None or any(x is not y for x, y in zip(entry[0], bases)):
+            return None
+        k = ks.pop()
+        if not all(isinstance(a, Moved) or self._fixed(rank, a, k) for a in args):
+            return None
+        return Moved(entry[1], k)
+
+    def _moved_group(self, node: Node, members, values) -> list[Moved] | None:
+        ks = {v.k if isinstance(v, Moved) else None for v in values}
+        if len(ks) != 1 or None in ks or not all(self._movable(m) for m in members):
+            return None
+        bases = [v.base for v in values]
+        entry = self._memo.get(members[0], {}).get(_memo_key(node, bases, members))
+        if entry is None or any(x is not y for x, y in zip(entry[0], bases)):
+            return None
+        k = ks.pop()
+        return [Moved(r, k) for r in entry[1]]
+
+    def _continuation(self, rank: int, claim: Claim):
+        """What the run continues from after a whole or sliced claim: the slice's logical atoms (microbatch
+        0's moved, for a claim of another microbatch on a rank that read microbatch 0's)."""
+        if not self._movable(rank):
+            return self.logical.value_at(claim.logical, claim.slices())
+        conts = self._conts.setdefault(rank, {})
+        moved = self.moves.split(claim)
+        if moved is not None and (base := conts.get(_where(moved[1]))) is not None:
+            return Moved(base, moved[0])
+        value = self.logical.value_at(claim.logical, claim.slices())
+        if moved is None and self.moves.blocks.tags.get(claim.logical) is not None and self.moves.first(claim):
+            conts[_where(claim)] = value
+        return value
+
+    def _moved_part(self, rank: int, claim: Claim, cid: str, position: int) -> Moved | None:
+        """A partial claim's part on group member `position`, as microbatch 0's part moved (its free atoms
+        swapped with this cut's: `Moves.pair`)."""
+        if not self._movable(rank):
+            return None
+        moved = self.moves.split(claim)
+        entry = self._parts0.get(rank, {}).get((_where(moved[1]), position)) if moved else None
+        if entry is None or not self.moves.pair(moved[0], entry[0], cid):
+            return None
+        return Moved(entry[1], moved[0])
+
+    def _moved_stage(self, cid, members, state, node: Node, claim: Claim, values, reads) -> bool:
+        """Record the stage as microbatch 0's renamed (its key, no terms) when every part is microbatch 0's
+        recorded value, moved, and the claim is that stage's moved; else False."""
+        if not all(isinstance(v, Moved) for v in values) or len({v.k for v in values}) != 1:
+            return False
+        entries = [self._cuts0.get(m, {}).get(id(v.base)) for m, v in zip(members, values)]
+        if any(e is None or e[1] is not v.base for e, v in zip(entries, values)) or len({e[0] for e in entries}) != 1:
+            return False
+        first = self.obligations[entries[0][0]]
+        moved = self.moves.split(claim)
+        same = moved == (values[0].k, first.claim) if moved is not None else \
+            (self.moves.blocks.tags.get(claim.logical) is None and _where(claim) == _where(first.claim))
+        if not same or first.ranks != members:
+            return False
+        self._append(cid, members, state, node, claim, first.key, reads)
+        self.moved += 1
+        return True
+
+    def _remember(self, members, node: Node, claim: Claim, values) -> None:
+        """After recording a stage of microbatch 0: which value each member cut there."""
+        tagged = self.moves is not None and self.moves.blocks.tags.get(claim.logical) is not None
+        if not (tagged and self.moves.first(claim)) and node.get_meta("mb") != 0:
+            return
+        for m, v in zip(members, values):
+            if self._movable(m) and isinstance(v, np.ndarray):
+                self._cuts0.setdefault(m, {})[id(v)] = (len(self.obligations) - 1, v)
 
     def _claim(self, rank: int, tensor: str) -> Claim | None:
         """A rank's claim on a tensor: a mirrored rank's is its representative's, moved to its block."""
@@ -322,6 +476,9 @@ class SymbolicRun(Scheduler):
         super()._advance(state, node, value)
         for name in freed:                  # a value read for the last time: nothing reads its sources again
             self.sources.pop((state.rank, name), None)
+        if state.done:
+            for held in (self._memo, self._conts, self._parts0, self._cuts0, self._footprints):
+                held.pop(state.rank, None)
 
     def _cut(self, state, node: Node, value, claim: Claim, reads: frozenset[str]):
         rank = state.rank
@@ -332,8 +489,10 @@ class SymbolicRun(Scheduler):
             if isinstance(value, Mirrored):
                 self._copy(cid, members, state, node, claim, reads)
                 return Mirrored(claim.shape)
-            self._record(cid, members, state, node, claim, [value], reads)
-            return self.logical.value_at(claim.logical, claim.slices())
+            if not self._moved_stage(cid, members, state, node, claim, [value], reads):
+                self._record(cid, members, state, node, claim, [value], reads)
+                self._remember(members, node, claim, [value])
+            return self._continuation(rank, claim)
         parts = self.pending.setdefault(cid, {})
         parts[rank] = (value, reads)
         copied = all(m in self.mirrored for m in members)
@@ -347,18 +506,26 @@ class SymbolicRun(Scheduler):
                                  f"({', '.join(f'rank {m}: {_kind(v)}' for m, v in zip(members, values))})")
             if copied and kinds & {"same", "renamed"}:
                 self._copy(cid, members, state, node, claim, reads)
-            else:
+            elif not self._moved_stage(cid, members, state, node, claim, values, reads):
                 self._record_group(cid, members, state, node, claim, values, reads)
+                self._remember(members, node, claim, values)
         if copied and isinstance(value, Mirrored):
             return Mirrored(claim.shape)
         position = members.index(rank)
+        moved = self._moved_part(rank, claim, cid, position)
+        if moved is not None:
+            return moved
         if position < len(members) - 1:
-            return atoms(f"{cid}#{position}", claim.shape)
-        free = [atoms(f"{cid}#{p}", claim.shape) for p in range(len(members) - 1)]
-        target = self.logical.value_at(claim.logical, claim.slices())
-        out = np.empty(claim.shape, dtype=object)
-        for idx in np.ndindex(claim.shape):
-            out[idx] = target[idx] - sum_([f[idx] for f in free])
+            out = atoms(f"{cid}#{position}", claim.shape)
+        else:
+            free = [atoms(f"{cid}#{p}", claim.shape) for p in range(len(members) - 1)]
+            target = self.logical.value_at(claim.logical, claim.slices())
+            out = np.empty(claim.shape, dtype=object)
+            for idx in np.ndindex(claim.shape):
+                out[idx] = target[idx] - sum_([f[idx] for f in free])
+        if self._movable(rank) and self.moves.blocks.tags.get(claim.logical) is not None and \
+                self.moves.first(claim):
+            self._parts0.setdefault(rank, {})[_where(claim), position] = (cid, out)
         return out
 
     def _record_group(self, cid, members, state, node: Node, claim: Claim, values, reads) -> None:
@@ -388,6 +555,7 @@ class SymbolicRun(Scheduler):
         self.copied[1].append(state.pc)
 
     def _record(self, cid, members, state, node: Node, claim: Claim, values, reads, rhs=None) -> None:
+        values = [self._real(v) for v in values]
         lhs = [sum_([as_dtype(v, "float")[idx] for v in values]) for idx in np.ndindex(claim.shape)]
         if rhs is None and _logical_atoms(lhs, self.logical) == {claim.logical}:
             # computed from the claimed tensor's own atoms (a copy, a received slice, a group's parts summed):
@@ -427,6 +595,14 @@ class SymbolicRun(Scheduler):
                                  f"representative recorded")
             reps[i] = index[rep]
         return ranks, reps
+
+
+def _memo_key(node: Node, args, members=()) -> tuple:
+    return (node.op, node.attrs, node.shape, node.dtype, members, tuple(id(a) for a in args))
+
+
+def _where(claim: Claim) -> tuple:
+    return claim.logical, claim.offsets, claim.shape, claim.partial
 
 
 def _kind(value) -> str:
@@ -504,10 +680,11 @@ def partition(plan: Plan, dims: dict[str, int], claims: dict[tuple[int, str], Cl
     why and every rank runs in full. Mirrored stages are kept compactly (`Partition.copy`); the stage DAG
     holds the recorded ones, whose composition the mirrored ones repeat under renaming."""
     found, notes = (symmetry, []) if isinstance(symmetry, Mirrors) else find_mirrors(plan, dims, symmetry)
-    logical = LogicalTerms.build(plan.logical, dims, found.blocks if found else None)
+    moves = microbatch_moves(plan, dims, found, bool(symmetry))
+    logical = LogicalTerms.build(plan.logical, dims, moves.blocks if moves else found.blocks if found else None)
     copies = np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32)
     try:
-        run = SymbolicRun(plan, dims, logical, claims, found)
+        run = SymbolicRun(plan, dims, logical, claims, found, moves)
         run.run()
         copies = run.resolve_copies()
     except Asymmetric as why:
@@ -529,7 +706,7 @@ def partition(plan: Plan, dims: dict[str, int], claims: dict[tuple[int, str], Cl
         for src in ob.reads:
             dag.add_edge(src, ob.id)
     return Partition(run.obligations, run.boundary, dag, run.notes, run.formulas,
-                     notes + (found.notes if found else []), copies[0], copies[1], found)
+                     notes + (found.notes if found else []), copies[0], copies[1], found, run.moved)
 
 
 __all__ = ["Obligation", "Partition", "LogicalTerms", "SymbolicRun", "partition", "expand", "atoms",

@@ -256,6 +256,14 @@ class Blocks:
             return name
         return f"{m['pre'] or ''}{m['base']}[{','.join(map(str, idx))}]{m['post'] or ''}"
 
+    def block_of(self, name: str) -> int | None:
+        """The block (of one microbatch) a variable's sample lies in; None for a variable without samples."""
+        m = _NAME.match(name)
+        tag = self.tags.get(m["base"]) if m is not None and m["idx"] else None
+        if tag is None:
+            return None
+        return int(m["idx"].split(",")[tag.dim]) // (self.size * tag.q)
+
     def rename(self, terms, k: int, extra=None, width: int = 1):
         """Terms (an object array or a list) with the variables of blocks [0, width) renamed to those of
         blocks [k·width, (k+1)·width) (and `extra`, a name → name function, applied after). Choices are
@@ -422,3 +430,98 @@ def _ranks(ranks: list[int]) -> str:
 
 
 __all__ = ["Asymmetric", "Tag", "Blocks", "Mirrors", "mirrors", "find_mirrors", "tags_of", "expected_tag", "CONTRIBUTION_SUMS"]
+
+
+_PART = re.compile(r"^(?P<cid>.+)#(?P<p>\d+)\[")      # a free atom of a partial claim's part: `cid#p[idx]`
+
+
+class Moves:
+    """Microbatch symmetry inside one rank: a value of microbatch k as microbatch 0's, renamed.
+
+    Renaming variables keeps every identity, so an op on arguments that are
+    microbatch 0's arguments renamed (or left alone by the renaming) gives
+    microbatch 0's result renamed, and a stage whose computed terms and claim
+    are microbatch 0's renamed is valid exactly when microbatch 0's is: one
+    proof, one key (`tv_ray.partition.stages.SymbolicRun` keeps the values as
+    `Moved` and never computes them).
+
+    The renaming for k is a bijection on variables: samples of block 0 and
+    block k swap (`Blocks.rename`, one block per microbatch), and the free
+    parts of a partial claim cut at microbatch 0 swap with those of the cut
+    at microbatch k that `pair` matched with it — each cut keeps parts of its
+    own, so no two splits of a value are ever assumed equal."""
+
+    def __init__(self, blocks: Blocks):
+        self.blocks = blocks
+        self.pairs: dict[int, dict[str, str]] = {}        # k -> cut id <-> cut id (both directions)
+
+    def pair(self, k: int, first: str, other: str) -> bool:
+        """Match the partial cut `other` (microbatch k) with `first` (microbatch 0); False if either is taken."""
+        pairs = self.pairs.setdefault(k, {})
+        if pairs.get(first, other) != other or pairs.get(other, first) != first:
+            return False
+        pairs[first], pairs[other] = other, first
+        return True
+
+    def rename(self, terms, k: int):
+        """Terms of microbatch 0 as microbatch k's."""
+        return self.blocks.rename(terms, k, lambda name: self._part(name, k))
+
+    def _part(self, name: str, k: int) -> str:
+        m = _PART.match(name) if "#" in name else None
+        swap = self.pairs.get(k, {}).get(m["cid"]) if m else None
+        return name if swap is None else f"{swap}{name[len(m['cid']):]}"
+
+    def footprint(self, terms) -> tuple[frozenset[int], bool]:
+        """The blocks whose samples the terms read, and whether they read a partial claim's free part."""
+        from tv_ray.semantics.symbolic import Choice
+        flat = list(np.asarray(terms, dtype=object).reshape(-1))
+        blocks, parts = set(), False
+        for node in postorder(*[t for t in flat if isinstance(t, Term)]):
+            if node.kind is Kind.VAR:
+                b = self.blocks.block_of(node.payload)
+                if b is not None:
+                    blocks.add(b)
+                parts = parts or bool("#" in node.payload and _PART.match(node.payload))
+        for t in flat:
+            if isinstance(t, Choice):
+                b = self.blocks.block_of(t.base)
+                if b is not None:
+                    blocks.add(b)
+        return frozenset(blocks), parts
+
+    def split(self, claim: Claim) -> tuple[int, Claim] | None:
+        """(k, microbatch 0's claim) for a claim inside block k ≥ 1 (one microbatch); else None."""
+        tag = self.blocks.tags.get(claim.logical)
+        if tag is None:
+            return None
+        span = self.blocks.size * tag.q
+        lo, n = claim.offsets[tag.dim], claim.shape[tag.dim]
+        k = lo // span
+        if k == 0 or (lo + n - 1) // span != k:
+            return None
+        offsets = list(claim.offsets)
+        offsets[tag.dim] -= k * span
+        return k, replace(claim, offsets=tuple(offsets))
+
+    def first(self, claim: Claim) -> bool:
+        """Does the claim lie in block 0 (or hold no samples)?"""
+        tag = self.blocks.tags.get(claim.logical)
+        if tag is None:
+            return True
+        span = self.blocks.size * tag.q
+        return claim.offsets[tag.dim] + claim.shape[tag.dim] <= span
+
+
+def microbatch_moves(plan: Plan, dims: dict[str, int], mirrored: Mirrors | None, symmetry: bool) -> Moves | None:
+    """The microbatch symmetry of a plan with more than one microbatch (None when off or not shown)."""
+    if not symmetry or plan.microbatches < 2:
+        return None
+    if mirrored is not None:
+        return Moves(mirrored.blocks)
+    if plan.axis_sizes.get(DP, 1) > 1:
+        return None                 # dp ranks unmirrored: each reads its own run of blocks
+    try:
+        return Moves(Blocks.of(plan.logical, dims, plan.microbatches))
+    except Asymmetric:
+        return None

@@ -1,0 +1,95 @@
+"""Microbatch symmetry: inside a rank, microbatch k's stages are microbatch 0's renamed — never computed — and
+a bug in any microbatch is still found where it is."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tv_ray import api
+from tv_ray.engine.driver import claims_for, verify_plan
+from tv_ray.engine.executor import LocalExecutor
+from tv_ray.engine.solve import Budget
+from tv_ray.partition.stages import partition
+from tv_ray.partition.symmetry import Blocks, Moves
+from tv_ray.reduce import reduce_plan
+from tv_ray.terms import var
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+from mutants import _like, edit, with_program  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def step():
+    return api.capture_step("llama3-tiny", optim="adamw", clip=1.0)
+
+
+@pytest.fixture(scope="module")
+def mb4(step):
+    plan = api.parallelize(step, "mb=4", model="llama3-tiny")
+    dims = reduce_plan(plan).reduced
+    return plan, dims, claims_for(plan, dims)[1]
+
+
+def _verify(plan):
+    return verify_plan(plan, budget=Budget(solvers=("z3",)), executor=LocalExecutor(jobs=1), progress=False)
+
+
+def test_moved_microbatches_give_the_same_stages_as_computing_them(mb4):
+    plan, dims, claims = mb4
+    full, moved = partition(plan, dims, claims, symmetry=False), partition(plan, dims, claims)
+    assert full.moved == 0 and moved.moved > 1000
+    assert sorted((o.id, o.ranks, o.claim, o.reads, o.mb) for o in full.obligations) == \
+        sorted((o.id, o.ranks, o.claim, o.reads, o.mb) for o in moved.obligations)
+    assert len(moved.formulas) == len(full.formulas)
+
+
+def test_a_partial_cuts_parts_swap_with_their_own_microbatchs_and_no_other():
+    blocks = Blocks({"x": None}, size=1, count=4, small={})
+    moves = Moves(blocks)
+    assert moves.pair(2, "r0/mm@0", "r0/mm@2") and moves.pair(2, "r0/mm@0", "r0/mm@2")
+    assert not moves.pair(2, "r0/mm@0", "r0/mm_copy@2")       # one cut of microbatch 0 pairs with one cut of 2
+    assert not moves.pair(2, "r0/other@0", "r0/mm@2")
+    assert moves.pair(3, "r0/mm@0", "r0/mm@3")                # each microbatch has its own pairs
+    terms = np.array([var("r0/mm@0#0[0]"), var("r0/mm@2#1[0]"), var("r0/mm@1#0[0]")], dtype=object)
+    assert [t.payload for t in moves.rename(terms, 2)] == ["r0/mm@2#0[0]", "r0/mm@0#1[0]", "r0/mm@1#0[0]"]
+    assert [t.payload for t in moves.rename(terms, 3)] == ["r0/mm@3#0[0]", "r0/mm@2#1[0]", "r0/mm@1#0[0]"]
+
+
+def _doubled_input(plan, name: str):
+    program = plan.programs["main"]
+    mm = program.value(name)
+    doubled = _like(mm, f"{name}_in", "mul", [mm.args[0]], {"other": 2.0}, shape=program.value(mm.args[0]).shape)
+    return [doubled, _like(mm, name, "mm", [f"{name}_in", mm.args[1]])]
+
+
+def test_a_bug_in_one_microbatch_is_found_in_that_microbatch(mb4):
+    plan = mb4[0]
+    mutant = with_program(plan, "main", edit(plan.programs["main"], "main", change={"mm_3@2": _doubled_input(plan, "mm_3@2")}))
+    outcome = _verify(mutant)
+    first = outcome.first_refuted()
+    assert outcome.status == "refuted" and outcome.partition.moved > 1000
+    assert (first.id, first.mb, first.module) == ("r0/mm_3@2", 2, "layers.0.attn.o_proj")
+
+
+def test_a_bug_in_every_microbatch_is_found_at_microbatch_0_and_in_every_moved_copy(mb4):
+    plan = mb4[0]
+    change = {f"mm_3@{m}": _doubled_input(plan, f"mm_3@{m}") for m in range(4)}
+    mutant = with_program(plan, "main", edit(plan.programs["main"], "main", change=change))
+    outcome = _verify(mutant)
+    first = outcome.first_refuted()
+    assert outcome.status == "refuted" and (first.id, first.mb) == ("r0/mm_3@0", 0)
+    refuted = {o.id for o in outcome.partition.obligations if outcome.verdict_of(o).verdict == "refuted"}
+    assert {"r0/mm_3@1", "r0/mm_3@2", "r0/mm_3@3"} <= refuted
+
+
+def test_a_microbatch_reading_another_microbatchs_activation_is_found(mb4):
+    plan = mb4[0]
+    program = plan.programs["main"]
+    mm = program.value("mm_3@2")
+    crossed = _like(mm, "mm_3@2", "mm", ["view_11@0", mm.args[1]])      # microbatch 0's input, not 2's
+    outcome = _verify(with_program(plan, "main", edit(program, "main", change={"mm_3@2": crossed})))
+    first = outcome.first_refuted()
+    assert outcome.status == "refuted" and (first.id, first.mb) == ("r0/mm_3@2", 2)
