@@ -119,24 +119,38 @@ class Result:
         return out / "report.json"
 
 
-def verify(model_or_plan, parallel: str | None = None, *, optim: str = "adamw", clip: float | None = 1.0,
+def verify(model_or_plan=None, parallel: str | None = None, *, optim: str = "adamw", clip: float | None = 1.0,
            sp: bool = False, zero: int = 0, solvers=("z3", "cvc5", "yices"), timeout: float = 10.0,
-           jobs: int = 1, progress: bool | None = None, seed: int = 0, executor=None, symmetry: bool = True) -> Result:
+           jobs: int | None = None, progress: bool | None = None, seed: int = 0, executor=None,
+           symmetry: bool = True, engine: str = "ray", address: str | None = None,
+           checkpoint: str | Path | None = None, resume: bool = False) -> Result:
     """Prove that a plan computes the single-device training step, or find where it does not.
 
     `model_or_plan` is a `Plan`, a plan file path, or a built-in model name (then
     `parallel` is required and the plan is built with `optim`, `clip`, `sp`, `zero`)::
 
-        result = tv_ray.verify("llama3-tiny", "dp=2,tp=2", jobs=2)
+        result = tv_ray.verify("llama3-tiny", "dp=2,tp=2")
         assert result.proved
         result.save("out")          # out/certificate.json, out/obligations.parquet, out/plan.json
+
+    Solving runs on `engine` "ray" (solver actors on a local Ray using every core, or the cluster at
+    `address` / RAY_ADDRESS; `jobs` actors if given) or "local" (this process, or `jobs` processes).
+    With `checkpoint=OUT` every verdict streams to OUT/checkpoint; `resume=True` continues the run
+    recorded there (its plan and settings), solving only the keys it lacks.
     """
     from tv_ray.diagnose import diagnose
+    from tv_ray.engine.checkpoint import Checkpoint
     from tv_ray.engine.driver import verify_plan
-    from tv_ray.engine.executor import LocalExecutor
+    from tv_ray.engine.executor import executor_for
     from tv_ray.engine.solve import Budget
+    settings = {"solvers": list(solvers), "timeout_s": timeout, "seed": seed, "symmetry": symmetry}
+    saved = Checkpoint(checkpoint) if checkpoint is not None else None
     plan_path = None
-    if isinstance(model_or_plan, Plan):
+    if resume:
+        if saved is None or model_or_plan is not None:
+            raise ParallelConfigError("resume continues the run in checkpoint=OUT: give that, and no plan or model")
+        plan, settings = saved.resume()
+    elif isinstance(model_or_plan, Plan):
         plan = model_or_plan
     elif isinstance(model_or_plan, (str, Path)) and str(model_or_plan).endswith(".json"):
         plan_path = str(Path(model_or_plan).resolve())
@@ -146,13 +160,15 @@ def verify(model_or_plan, parallel: str | None = None, *, optim: str = "adamw", 
             raise ParallelConfigError("verify a model by name needs parallel=..., e.g. 'dp=2,tp=2'")
         graph = capture_step(model_or_plan, optim=optim, clip=clip)
         plan = parallelize(graph, parallel, model=model_or_plan, sp=sp, zero=zero)
-    budget = Budget(solvers=tuple(solvers), timeout_s=timeout, seed=seed)
-    executor = executor or LocalExecutor(jobs)
+    if saved is not None and not resume:
+        saved.start(plan, settings)
+    budget = Budget(solvers=tuple(settings["solvers"]), timeout_s=settings["timeout_s"], seed=settings["seed"])
+    executor = executor or executor_for(engine, jobs, address)
     try:
-        outcome = verify_plan(plan, budget=budget, executor=executor, progress=progress, seed=seed, symmetry=symmetry)
+        outcome = verify_plan(plan, budget=budget, executor=executor, progress=progress, seed=settings["seed"],
+                              symmetry=settings["symmetry"], checkpoint=saved)
     finally:
         executor.close()
-    settings = {"solvers": list(solvers), "timeout_s": timeout, "jobs": jobs, "seed": seed, "symmetry": symmetry}
     return Result(outcome, diagnose(outcome), settings, plan_path)
 
 

@@ -1,13 +1,16 @@
 """The verification commands: `tv-ray verify`, `tv-ray check`, `tv-ray explain`.
 
-    tv-ray verify --model llama3-tiny --parallel dp=2,tp=2,pp=2,mb=2 --optim adamw --clip 1.0 -o out --jobs 2
-    tv-ray verify plan.json -o out
+    tv-ray verify --model llama3-tiny --parallel dp=2,tp=2,pp=2,mb=2 --optim adamw --clip 1.0 -o out
+    tv-ray verify plan.json -o out --address 10.0.0.1:6379      # solver actors on a running Ray cluster
+    tv-ray verify --resume out                                  # continue a killed run from out/checkpoint
     tv-ray check out
     tv-ray explain out
 
 `verify` exits 0 when the plan is proved (out/certificate.json written), 1
 when it is refuted (out/report.json names the first wrong tensor), 2 when it
-is not proved or on an error (saying what).
+is not proved or on an error (saying what). Solving runs on Ray by default (a
+local Ray on every core, or the cluster at --address / RAY_ADDRESS); every
+verdict streams to out/checkpoint as it arrives.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from tv_ray.engine.executor import ENGINES
 from tv_ray.errors import CertificateError, TvRayError
 from tv_ray.models import list_models
 
@@ -30,8 +34,17 @@ def _one_line(err: Exception) -> str:
 def cmd_verify(args: argparse.Namespace) -> int:
     from tv_ray.api import verify
     from tv_ray.diagnose import explain
-    if (args.plan is None) == (args.model is None):
+    if args.resume is not None:
+        if args.plan is not None or args.model is not None:
+            print("tv-ray verify: --resume OUT continues the run recorded in OUT; give no plan or --model",
+                  file=sys.stderr)
+            return 2
+        args.output = args.output or args.resume
+    elif (args.plan is None) == (args.model is None):
         print("tv-ray verify: give a plan file or --model NAME --parallel SPEC (not both)", file=sys.stderr)
+        return 2
+    elif args.output is None:
+        print("tv-ray verify: -o OUT is required (where the certificate or report goes)", file=sys.stderr)
         return 2
     if args.model is not None and args.parallel is None:
         print("tv-ray verify: --model needs --parallel SPEC, e.g. --parallel dp=2,tp=2", file=sys.stderr)
@@ -41,7 +54,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         result = verify(args.plan or args.model, args.parallel, optim=args.optim, clip=args.clip, sp=args.sp,
                         zero=args.zero, solvers=tuple(args.solvers.split(",")), timeout=args.timeout,
                         jobs=args.jobs, progress=False if args.quiet else None, seed=args.seed,
-                        symmetry=not args.no_symmetry)
+                        symmetry=not args.no_symmetry, engine=args.engine, address=args.address,
+                        checkpoint=args.output, resume=args.resume is not None)
         written = result.save(args.output)
     except (TvRayError, OSError, ValueError) as err:
         print(f"tv-ray verify: {_one_line(err)}", file=sys.stderr)
@@ -52,6 +66,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         phases = " ".join(f"{k} {v:.2f}s" for k, v in outcome.phases.items())
         print(f"  phases: {phases}; total {time.perf_counter() - started:.2f}s ({outcome.executor})")
         print(f"  unique keys by tier: {json.dumps(outcome.tiers())}")
+        if outcome.resumed:
+            print(f"  resumed: {outcome.resumed} unique keys' verdicts taken from {args.output}/checkpoint")
         print(f"  wrote {written}")
     return EXIT[result.status]
 
@@ -100,10 +116,17 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     verify.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (with --model)")
     verify.add_argument("--optim", choices=("sgd", "adamw"), default="adamw", help="optimizer (with --model)")
     verify.add_argument("--clip", type=float, default=1.0, metavar="NORM", help="global-norm clip (with --model)")
-    verify.add_argument("-o", "--output", required=True, metavar="OUT", help="directory for the certificate/report")
+    verify.add_argument("-o", "--output", metavar="OUT", help="directory for the certificate/report and checkpoint")
     verify.add_argument("--solvers", default="z3,cvc5,yices", help="tier 2 portfolio (default z3,cvc5,yices)")
     verify.add_argument("--timeout", type=float, default=10.0, metavar="S", help="per-equation solver timeout")
-    verify.add_argument("--jobs", type=int, default=1, metavar="N", help="solver processes (default 1)")
+    verify.add_argument("--engine", choices=ENGINES, default="ray",
+                        help="ray: solver actors on Ray (default); local: this process or --jobs processes")
+    verify.add_argument("--address", metavar="HOST:PORT", default=None,
+                        help="join a running Ray cluster (default: RAY_ADDRESS, else a local Ray)")
+    verify.add_argument("--jobs", type=int, default=None, metavar="N",
+                        help="solver actors (ray; default every core but one) or processes (local; default 1)")
+    verify.add_argument("--resume", metavar="OUT", default=None,
+                        help="continue the run whose checkpoint is in OUT (solves only what is missing)")
     verify.add_argument("--no-symmetry", action="store_true",
                         help="run every dp rank in full instead of mirroring the ones the symmetry check allows")
     verify.add_argument("--seed", type=int, default=0, help="seed of the concrete runs and random points")

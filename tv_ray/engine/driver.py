@@ -20,6 +20,7 @@ import networkx as nx
 import numpy as np
 from tqdm import tqdm
 
+from tv_ray.engine.checkpoint import Checkpoint
 from tv_ray.engine.executor import Executor, LocalExecutor, SolveTask
 from tv_ray.engine.solve import Budget, Verdict
 from tv_ray.errors import CommunicationError
@@ -55,6 +56,7 @@ class Outcome:
     dropped: list[tuple[int, str]] = field(default_factory=list)   # claims refuted as wrong guesses
     deviations: list[dict] = field(default_factory=list)   # program outputs wrong in the concrete runs
     failure: str = ""            # the plan's communication cannot complete (a refutation without stages)
+    resumed: int = 0             # unique keys whose verdicts came from the checkpoint
 
     @property
     def status(self) -> str:
@@ -188,14 +190,19 @@ def state_lineage_problems(plan: Plan) -> list[str]:
     return out
 
 
+def _name(executor: Executor) -> str:
+    return getattr(executor, "name", type(executor).__name__)
+
+
 def _batches(tasks: list[SolveTask], size: int) -> Iterator[list[SolveTask]]:
     for i in range(0, len(tasks), size):
         yield tasks[i:i + size]
 
 
 def _solve(part: Partition, budget: Budget, executor: Executor, verdicts: dict[str, Verdict], show: bool,
-           keys: dict[str, str]) -> None:
-    """Solve the keys not solved yet (each unique key once)."""
+           keys: dict[str, str], checkpoint: Checkpoint | None = None) -> None:
+    """Solve the keys not solved yet (each unique key once; those in the checkpoint were), streaming each
+    verdict to the checkpoint."""
     keys.update((ob.id, ob.key) for ob in part.obligations)
     tasks = {key: SolveTask.make(key, lhs, rhs) for key, (lhs, rhs) in part.formulas.items() if key not in verdicts}
     weight = part.key_counts()
@@ -205,6 +212,8 @@ def _solve(part: Partition, budget: Budget, executor: Executor, verdicts: dict[s
         bar.set_postfix_str(f"generated {part.size} unique {len(tasks)}")
         for key, verdict in executor.run(_batches(list(tasks.values()), BATCH), budget):
             verdicts[key] = verdict
+            if checkpoint is not None:
+                checkpoint.add(key, verdict)
             counts[verdict.verdict] += weight[key]
             bar.update(weight[key])
             bar.set_postfix_str(f"unique {len(tasks)} proved {counts['proved']} refuted {counts['refuted']} "
@@ -212,7 +221,8 @@ def _solve(part: Partition, budget: Budget, executor: Executor, verdicts: dict[s
 
 
 def verify_plan(plan: Plan, *, budget: Budget = Budget(), executor: Executor | None = None,
-                progress: bool | None = None, seed: int = 0, symmetry: bool = True) -> Outcome:
+                progress: bool | None = None, seed: int = 0, symmetry: bool = True,
+                checkpoint: Checkpoint | None = None) -> Outcome:
     """Run the whole verification of `plan`; never raises on a failed proof (see `Outcome.status`).
 
     When some program output is wrong in the concrete runs, the plan has a
@@ -222,6 +232,9 @@ def verify_plan(plan: Plan, *, budget: Budget = Budget(), executor: Executor | N
     sampled point by structure, like a max that always picks the same column
     — so it is dropped and the stages around it are cut again, up to
     `REFINE_ROUNDS` times. Boundary claims are never dropped.
+
+    With a `checkpoint`, keys it holds verdicts for are not solved again and every new verdict is streamed
+    to it (flushed on the way out, whatever ends the run).
     """
     phases: dict[str, float] = Counter()
     t = time.perf_counter()
@@ -229,18 +242,18 @@ def verify_plan(plan: Plan, *, budget: Budget = Budget(), executor: Executor | N
     phases["reduce"] += time.perf_counter() - t
     t = time.perf_counter()
     executor = executor or LocalExecutor()
-    executor_name = getattr(executor, "name", type(executor).__name__)
     found, notes = find_mirrors(plan, reduction.reduced, symmetry)
     try:
         runs, claims = claims_for(plan, reduction.reduced, seed, _unmirrored(plan, found))
     except CommunicationError as err:   # missing or misrouted communication: no output is ever computed
         empty = Partition([], {}, nx.DiGraph(), [])
-        return Outcome(plan, reduction, empty, [], {}, {}, {}, [str(err)], dict(phases), executor_name,
+        return Outcome(plan, reduction, empty, [], {}, {}, {}, [str(err)], dict(phases), _name(executor),
                        failure=str(err))
     deviations = output_deviations(plan, runs)
     phases["claims"] += time.perf_counter() - t
     show = sys.stderr.isatty() if progress is None else progress
-    verdicts: dict[str, Verdict] = {}
+    verdicts: dict[str, Verdict] = dict(checkpoint.verdicts) if checkpoint is not None else {}
+    loaded = set(verdicts)
     dropped: list[tuple[int, str]] = []
     for _ in range(REFINE_ROUNDS):
         t = time.perf_counter()
@@ -249,7 +262,11 @@ def verify_plan(plan: Plan, *, budget: Budget = Budget(), executor: Executor | N
         phases["partition"] += time.perf_counter() - t
         t = time.perf_counter()
         keys: dict[str, str] = {}
-        _solve(part, budget, executor, verdicts, show, keys)
+        try:
+            _solve(part, budget, executor, verdicts, show, keys, checkpoint)
+        finally:
+            if checkpoint is not None:
+                checkpoint.flush()
         phases["solve"] += time.perf_counter() - t
         wrong = [o for o in part.obligations if verdicts[keys[o.id]].verdict == "refuted" and not o.claim.boundary]
         if not wrong or deviations:
@@ -264,8 +281,8 @@ def verify_plan(plan: Plan, *, budget: Budget = Budget(), executor: Executor | N
     problems += [f"program output {d['stage']} differs from {d['logical']} by {d['max_abs_dev']:.3g} in a concrete "
                  f"run" for d in deviations]
     return Outcome(plan, reduction, part, runs, claims, keys, {k: verdicts[k] for k in set(keys.values())},
-                   problems, dict(phases), executor_name, sorted(dropped),
-                   deviations)
+                   problems, dict(phases), _name(executor), sorted(dropped), deviations,
+                   resumed=len(loaded & set(keys.values())))
 
 
 __all__ = ["Outcome", "verify_plan", "obligations_of", "claims_for", "composition_problems", "output_deviations",

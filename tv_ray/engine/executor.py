@@ -4,8 +4,9 @@ An executor runs `solve_batch` on batches of `SolveTask`s — each task is one
 unique key with its formula as a flat term table (terms travel as tables, never
 as live objects) — and yields (key, Verdict) as batches finish, keeping at most
 `in_flight` batches outstanding. `LocalExecutor(jobs=1)` solves in this
-process; `jobs > 1` uses a pool of worker processes. The Ray executor (next
-step of the design) implements the same two methods.
+process; `jobs > 1` uses a pool of worker processes. The Ray executor
+(`tv_ray.engine.ray_executor`) implements the same two methods; `executor_for`
+picks one by name.
 """
 from __future__ import annotations
 
@@ -79,4 +80,19 @@ class LocalExecutor:
             self._pool = None
 
 
-__all__ = ["SolveTask", "solve_batch", "Executor", "LocalExecutor"]
+ENGINES = ("ray", "local")
+
+
+def executor_for(engine: str, jobs: int | None = None, address: str | None = None) -> Executor:
+    """`ray`: solver actors on a local Ray (every core but one; `jobs` actors if given) or the cluster at
+    `address` / RAY_ADDRESS. `local`: this process (jobs 1) or `jobs` worker processes."""
+    if engine == "local":
+        return LocalExecutor(jobs or 1)
+    if engine == "ray":
+        from tv_ray.engine.ray_executor import RayExecutor
+        return RayExecutor(actors=jobs, address=address)
+    from tv_ray.errors import TvRayError
+    raise TvRayError(f"unknown engine {engine!r}; choose from {', '.join(ENGINES)}")
+
+
+__all__ = ["SolveTask", "solve_batch", "Executor", "LocalExecutor", "executor_for", "ENGINES"]

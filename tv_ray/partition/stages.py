@@ -405,27 +405,32 @@ class SymbolicRun(Scheduler):
         recorded value, moved, and the claim is that stage's moved; else False."""
         if not all(isinstance(v, Moved) for v in values) or len({v.k for v in values}) != 1:
             return False
-        entries = [self._cuts0.get(m, {}).get(id(v.base)) for m, v in zip(members, values)]
-        if any(e is None or e[1] is not v.base for e, v in zip(entries, values)) or len({e[0] for e in entries}) != 1:
+        moved = self.moves.split(claim)
+        if moved is None and self.moves.blocks.tags.get(claim.logical) is not None:
+            return False
+        if moved is not None and moved[0] != values[0].k:
+            return False
+        where = _where(moved[1] if moved is not None else claim)
+        entries = [self._cuts0.get(m, {}).get(where) for m in members]
+        if any(e is None or not (e[1] is v.base or _identical(e[1].reshape(-1), v.base.reshape(-1)))
+               for e, v in zip(entries, values)) or len({e[0] for e in entries}) != 1:
             return False
         first = self.obligations[entries[0][0]]
-        moved = self.moves.split(claim)
-        same = moved == (values[0].k, first.claim) if moved is not None else \
-            (self.moves.blocks.tags.get(claim.logical) is None and _where(claim) == _where(first.claim))
-        if not same or first.ranks != members:
+        if first.ranks != members:
             return False
         self._append(cid, members, state, node, claim, first.key, reads)
         self.moved += 1
         return True
 
     def _remember(self, members, node: Node, claim: Claim, values) -> None:
-        """After recording a stage of microbatch 0: which value each member cut there."""
+        """After recording a stage of microbatch 0 (a claim in block 0, or without samples): the value each
+        member cut there, by claim."""
         tagged = self.moves is not None and self.moves.blocks.tags.get(claim.logical) is not None
         if not (tagged and self.moves.first(claim)) and node.get_meta("mb") != 0:
             return
         for m, v in zip(members, values):
             if self._movable(m) and isinstance(v, np.ndarray):
-                self._cuts0.setdefault(m, {})[id(v)] = (len(self.obligations) - 1, v)
+                self._cuts0.setdefault(m, {})[_where(claim)] = (len(self.obligations) - 1, v)
 
     def _claim(self, rank: int, tensor: str) -> Claim | None:
         """A rank's claim on a tensor: a mirrored rank's is its representative's, moved to its block."""

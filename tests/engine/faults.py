@@ -1,0 +1,42 @@
+"""Solve functions that misbehave on purpose, shipped to Ray solver actors by value (tests only).
+
+Each takes (tasks, budget) like `tv_ray.engine.executor.solve_batch`; the marker files make a fault fire
+once across actor restarts (a restarted actor is a new process)."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from tv_ray.engine.executor import solve_batch
+
+
+def dies_once(marker: str):
+    """The first batch kills its actor's process mid-batch (after solving half of it)."""
+    def solve(tasks, budget):
+        if not Path(marker).exists():
+            Path(marker).write_text(str(os.getpid()))
+            solve_batch(tasks[: len(tasks) // 2], budget)
+            os._exit(1)
+        return solve_batch(tasks, budget)
+    return solve
+
+
+def hangs_on(key: str, log: str):
+    """A solver that never returns on `key` (ignores every timeout); every call is logged with its pid."""
+    def solve(tasks, budget):
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()} {len(tasks)}\n")
+        if any(t.key == key for t in tasks):
+            time.sleep(3600)
+        return solve_batch(tasks, budget)
+    return solve
+
+
+def logs_pids(log: str):
+    """Solves normally; logs which process solved each batch."""
+    def solve(tasks, budget):
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()} {len(tasks)}\n")
+        return solve_batch(tasks, budget)
+    return solve

@@ -1,0 +1,112 @@
+"""The checkpoint: a run stopped at any point resumes solving only what is missing, with the same result;
+a checkpoint that cannot be trusted is refused with what is wrong."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tv_ray import api
+from tv_ray.engine.checkpoint import Checkpoint, CheckpointError
+from tv_ray.engine.executor import LocalExecutor
+
+BIN = Path(sys.executable).parent
+
+
+class Stops(LocalExecutor):
+    """Solves `n` keys, then the run is stopped (as by Ctrl-C)."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.n = n
+
+    def run(self, batches, budget):
+        for i, item in enumerate(super().run(batches, budget)):
+            if i == self.n:
+                raise KeyboardInterrupt
+            yield item
+
+
+class Counts(LocalExecutor):
+    def __init__(self):
+        super().__init__()
+        self.keys: list[str] = []
+
+    def run(self, batches, budget):
+        for key, verdict in super().run(batches, budget):
+            self.keys.append(key)
+            yield key, verdict
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return api.parallelize(api.capture_step("llama3-tiny", optim="adamw", clip=1.0), "dp=2,tp=2", model="llama3-tiny")
+
+
+def _content(out: Path) -> dict:
+    manifest = json.loads((out / "certificate.json").read_text())
+    return {k: manifest[k] for k in ("counts", "tiers", "settings", "symmetry", "stage_dag", "axioms")}
+
+
+def test_a_stopped_run_resumes_solving_only_what_is_missing(plan, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        api.verify(plan, solvers=("z3",), executor=Stops(60), checkpoint=out, progress=False)
+    saved = Checkpoint(out)
+    saved.resume()
+    assert len(saved.verdicts) == 60                    # every verdict taken before the stop was flushed
+    counting = Counts()
+    result = api.verify(checkpoint=out, resume=True, executor=counting, progress=False)
+    assert result.proved and result.outcome.resumed == 60
+    assert len(counting.keys) == result.outcome.counts()["unique"] - 60 and not set(counting.keys) & set(saved.verdicts)
+    result.save(out)
+    fresh = api.verify(plan, solvers=("z3",), engine="local", progress=False)
+    fresh.save(tmp_path / "fresh")
+    assert _content(out) == _content(tmp_path / "fresh")
+
+
+def test_a_killed_cli_run_resumes_from_its_checkpoint(tmp_path):
+    out = tmp_path / "out"
+    run = subprocess.Popen([str(BIN / "tv-ray"), "verify", "--model", "llama3-tiny", "--parallel", "dp=2,tp=2,pp=2",
+                            "-o", str(out), "--engine", "local", "--solvers", "z3", "-q"])
+    deadline = time.monotonic() + 300
+    while not list((out / "checkpoint").glob("part-*.parquet")) and time.monotonic() < deadline and run.poll() is None:
+        time.sleep(0.2)
+    os.kill(run.pid, signal.SIGKILL)
+    run.wait()
+    assert run.returncode == -signal.SIGKILL and not (out / "certificate.json").exists()
+    done = subprocess.run([str(BIN / "tv-ray"), "verify", "--resume", str(out), "--engine", "local"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "PROVED" in done.stdout and "resumed: " in done.stdout and (out / "certificate.json").exists()
+
+
+def test_a_checkpoint_whose_plan_was_edited_is_refused(plan, tmp_path):
+    out = tmp_path / "out"
+    Checkpoint(out).start(plan, {"solvers": ["z3"], "timeout_s": 10.0, "seed": 0, "symmetry": True})
+    path = out / "checkpoint" / "plan.json"
+    path.write_text(path.read_text().replace('"dp": 2', '"dp": 4', 1))
+    with pytest.raises(CheckpointError) as err:
+        Checkpoint(out).resume()
+    assert str(err.value).startswith(f"{path} was changed after the run started (SHA-256 ")
+
+
+def test_a_torn_checkpoint_part_is_refused(plan, tmp_path):
+    out = tmp_path / "out"
+    Checkpoint(out).start(plan, {"solvers": ["z3"], "timeout_s": 10.0, "seed": 0, "symmetry": True})
+    (out / "checkpoint" / "part-000001.parquet").write_bytes(b"PAR1 torn")
+    with pytest.raises(CheckpointError) as err:
+        Checkpoint(out).resume()
+    assert str(err.value).startswith(f"{out / 'checkpoint' / 'part-000001.parquet'}: unreadable checkpoint part")
+
+
+def test_resuming_nothing_says_so(tmp_path):
+    with pytest.raises(CheckpointError) as err:
+        Checkpoint(tmp_path / "none").resume()
+    assert str(err.value).startswith(f"{tmp_path / 'none' / 'checkpoint'}: no checkpoint to resume")

@@ -1,0 +1,124 @@
+"""The checkpoint: every verdict as it arrives, streamed to Parquet under OUT, so a killed run resumes.
+
+    OUT/checkpoint/plan.json         the plan itself (`tv-ray verify --resume OUT` needs nothing else)
+    OUT/checkpoint/run.json          its SHA-256 and the settings that decide verdicts
+    OUT/checkpoint/part-000001.parquet, ...   (key, verdict, tier, method, seconds, axioms, reason, ...)
+
+Verdicts belong to unique keys (each key is solved once; every obligation
+with that key shares it), and keys are content hashes of the formulas, so a
+re-generated run finds its solved keys again whatever order it generates
+them in. Each part is written to a temporary name and renamed: a run killed
+at any moment leaves whole parts only, and loses at most the verdicts since
+the last flush. A resumed run takes the plan and the settings that decide
+verdicts (solvers, timeout, seed, symmetry) from the checkpoint, and refuses
+one whose plan file was edited since.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tv_ray.engine.solve import Verdict
+from tv_ray.errors import TvRayError
+from tv_ray.plan import Plan
+
+FLUSH_ROWS = 2000
+FLUSH_SECONDS = 2.0
+SCHEMA = pa.schema([("key", pa.string()), ("verdict", pa.string()), ("tier", pa.int8()), ("method", pa.string()),
+                    ("seconds", pa.float64()), ("axioms", pa.list_(pa.string())), ("reason", pa.string()),
+                    ("element", pa.int64()), ("point", pa.string()), ("values", pa.list_(pa.string()))])
+
+
+class CheckpointError(TvRayError):
+    """A checkpoint that cannot be resumed (another plan, other settings, unreadable)."""
+
+
+class Checkpoint:
+    """Verdicts by key under `OUT/checkpoint`; `add` buffers, `flush` writes one Parquet part."""
+
+    def __init__(self, out: str | Path):
+        self.dir = Path(out) / "checkpoint"
+        self.verdicts: dict[str, Verdict] = {}
+        self._buffer: list[tuple[str, Verdict]] = []
+        self._flushed = time.monotonic()
+        self._parts = 0
+
+    # -- starting and resuming ------------------------------------------------------------------
+    def start(self, plan: Plan, settings: dict) -> None:
+        """A new run: clear any old checkpoint, keep the plan and the settings."""
+        from tv_ray.certificate.write import sha256_file
+        if self.dir.exists():
+            for f in self.dir.iterdir():
+                f.unlink()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        plan.save(self.dir / "plan.json")
+        run = {"plan_sha256": sha256_file(self.dir / "plan.json"), "settings": settings}
+        _atomic_write(self.dir / "run.json", json.dumps(run, indent=1, sort_keys=True) + "\n")
+
+    def resume(self) -> tuple[Plan, dict]:
+        """The checkpoint's plan and settings, its solved keys loaded (`verdicts`)."""
+        from tv_ray.certificate.write import sha256_file
+        try:
+            run = json.loads((self.dir / "run.json").read_text())
+            digest = sha256_file(self.dir / "plan.json")
+        except (OSError, ValueError) as err:
+            raise CheckpointError(f"{self.dir}: no checkpoint to resume ({err})") from None
+        if digest != run["plan_sha256"]:
+            raise CheckpointError(f"{self.dir / 'plan.json'} was changed after the run started (SHA-256 "
+                                  f"{digest[:12]}…, recorded {run['plan_sha256'][:12]}…)")
+        parts = sorted(self.dir.glob("part-*.parquet"))
+        for path in parts:
+            try:
+                table = pq.read_table(path, schema=SCHEMA)
+            except (OSError, pa.ArrowInvalid) as err:
+                raise CheckpointError(f"{path}: unreadable checkpoint part ({err})") from None
+            for row in table.to_pylist():
+                self.verdicts[row["key"]] = _verdict(row)
+        self._parts = len(parts)
+        return Plan.load(self.dir / "plan.json"), run["settings"]
+
+    # -- streaming --------------------------------------------------------------------------------
+    def add(self, key: str, verdict: Verdict) -> None:
+        self.verdicts[key] = verdict
+        self._buffer.append((key, verdict))
+        if len(self._buffer) >= FLUSH_ROWS or time.monotonic() - self._flushed >= FLUSH_SECONDS:
+            self.flush()
+
+    def flush(self) -> None:
+        self._flushed = time.monotonic()
+        if not self._buffer:
+            return
+        rows = [_row(key, v) for key, v in self._buffer]
+        table = pa.Table.from_pylist(rows, schema=SCHEMA)
+        self._parts += 1
+        path = self.dir / f"part-{self._parts:06d}.parquet"
+        tmp = path.with_suffix(".tmp")
+        pq.write_table(table, tmp, compression="zstd")
+        os.replace(tmp, path)
+        self._buffer.clear()
+
+
+def _row(key: str, v: Verdict) -> dict:
+    return {"key": key, "verdict": v.verdict, "tier": v.tier, "method": v.method, "seconds": v.seconds,
+            "axioms": list(v.axioms), "reason": v.reason, "element": v.element, "point": json.dumps(v.point),
+            "values": list(v.values)}
+
+
+def _verdict(row: dict) -> Verdict:
+    return Verdict(row["verdict"], row["tier"], row["method"], row["seconds"], tuple(row["axioms"] or ()),
+                   row["reason"] or "", row["element"], json.loads(row["point"] or "{}"),
+                   tuple(row["values"] or ("", "")))
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+__all__ = ["Checkpoint", "CheckpointError"]
