@@ -59,12 +59,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
         written = result.save(args.output)
     except (TvRayError, OSError, ValueError) as err:
         print(f"tv-ray verify: {_one_line(err)}", file=sys.stderr)
+        if (Path(args.output) / "checkpoint" / "run.json").exists():
+            print(f"tv-ray verify: the verdicts so far are in {args.output}/checkpoint; continue with "
+                  f"`tv-ray verify --resume {args.output}`", file=sys.stderr)
         return 2
     outcome = result.outcome
     if not args.quiet:
         print(explain(result.report))
-        phases = " ".join(f"{k} {v:.2f}s" for k, v in outcome.phases.items())
-        print(f"  phases: {phases}; total {time.perf_counter() - started:.2f}s ({outcome.executor})")
+        print(f"  {'phase':<10} {'seconds':>9}")
+        for phase, seconds in outcome.phases.items():
+            print(f"  {phase:<10} {seconds:>9.2f}")
+        print(f"  {'total':<10} {time.perf_counter() - started:>9.2f}   solved on {outcome.executor}")
         print(f"  unique keys by tier: {json.dumps(outcome.tiers())}")
         if outcome.resumed:
             print(f"  resumed: {outcome.resumed} unique keys' verdicts taken from {args.output}/checkpoint")

@@ -8,13 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tv_ray import api
-from tv_ray.engine.driver import claims_for, verify_plan
+from tv_ray.engine.driver import verify_plan
 from tv_ray.engine.executor import LocalExecutor
 from tv_ray.engine.solve import Budget
 from tv_ray.partition.stages import partition
 from tv_ray.partition.symmetry import Blocks, Moves
-from tv_ray.reduce import reduce_plan
 from tv_ray.terms import var
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
@@ -22,15 +20,8 @@ from mutants import _like, edit, with_program  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def step():
-    return api.capture_step("llama3-tiny", optim="adamw", clip=1.0)
-
-
-@pytest.fixture(scope="module")
-def mb4(step):
-    plan = api.parallelize(step, "mb=4", model="llama3-tiny")
-    dims = reduce_plan(plan).reduced
-    return plan, dims, claims_for(plan, dims)[1]
+def mb4(claimed):
+    return claimed("mb=4")
 
 
 def _verify(plan):

@@ -8,29 +8,20 @@ from pathlib import Path
 
 import pytest
 
-from tv_ray import api
-from tv_ray.engine.driver import claims_for, verify_plan
+from tv_ray.engine.driver import verify_plan
 from tv_ray.engine.executor import LocalExecutor
 from tv_ray.engine.solve import Budget
 from tv_ray.ir import Graph, Node
 from tv_ray.partition.stages import partition
 from tv_ray.partition.symmetry import Asymmetric, Blocks, Tag, mirrors
-from tv_ray.reduce import reduce_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from mutants import _set_attrs, edit, with_program  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def step():
-    return api.capture_step("llama3-tiny", optim="adamw", clip=1.0)
-
-
-@pytest.fixture(scope="module")
-def dp4(step):
-    plan = api.parallelize(step, "dp=4", model="llama3-tiny")
-    dims = reduce_plan(plan).reduced
-    return plan, dims, claims_for(plan, dims)[1]
+def dp4(claimed):
+    return claimed("dp=4")
 
 
 def test_the_training_step_commutes_with_permuting_samples(step):

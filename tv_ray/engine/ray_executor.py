@@ -12,9 +12,9 @@ full (backpressure). Each actor keeps its solvers warm between batches.
 Faults, each logged with the actor, its process and its node:
 
 - an actor that dies (killed, out of memory, its node removed) is restarted
-  by Ray and its unfinished batches are sent again — a key's verdict is
-  taken once, never counted twice; after `MAX_ATTEMPTS` deaths on one batch
-  its keys are unknown;
+  by Ray and its unfinished batches are sent again once it answers — a
+  key's verdict is taken once, never counted twice; a key in flight at
+  `MAX_ATTEMPTS` deaths is unknown;
 - a task that runs past its limit (each equation's solver timeout plus a
   second, plus `GRACE_S`; the driver asks busy actors every `PROBE_S` how
   long their current task has run) has a solver that ignores its timeout:
@@ -91,7 +91,6 @@ class SolverActor:
 class _Batch:
     shard: int
     tasks: list[SolveTask]
-    attempts: int = 0
     alone: bool = False                 # one task of a batch that hung, retried by itself
 
 
@@ -103,7 +102,9 @@ class _Shard:
     flying: dict = field(default_factory=dict)       # ref -> _Batch, in the order the actor runs them
     draining: bool = False
     where: dict = field(default_factory=dict)
-    probe: object = None                             # a pending `progress` call
+    probe: object = None                             # a pending `progress` call (is a task stuck?)
+    ping: object = None                              # after a death: a `progress` call that answers once
+    ping_after: float = 0.0                          # Ray has restarted the actor
 
 
 class RayExecutor:
@@ -118,6 +119,7 @@ class RayExecutor:
             cpus_per_actor, recycle_tasks, recycle_mb, solve
         self._shards: list[_Shard] = []
         self._out: list[tuple[str, Verdict]] = []      # verdicts decided by the engine (a task that hung)
+        self._deaths: dict[str, int] = {}              # key -> actor deaths while its batch ran
         self.restarts = 0
         self.name = "ray"
 
@@ -177,6 +179,7 @@ class RayExecutor:
                 if exhausted and not any(s.queue or s.suspects for s in self._shards):
                     return
                 self._recycle()
+                time.sleep(0.05)            # every actor with work is restarting
                 continue
             try:
                 ready, _ = ray.wait(list(flying), num_returns=1, timeout=PROBE_S)
@@ -194,12 +197,28 @@ class RayExecutor:
         return any(self._free(s) for s in self._shards) and all(len(s.queue) < 4 * self.batch for s in self._shards)
 
     def _free(self, shard: _Shard) -> bool:
-        return not shard.draining and len(shard.flying) < self.in_flight
+        return not shard.draining and self._alive(shard) and len(shard.flying) < self.in_flight
 
-    def _submit(self, shard: _Shard, tasks: list[SolveTask], budget: Budget, attempts: int = 0,
-                alone: bool = False) -> None:
+    def _alive(self, shard: _Shard) -> bool:
+        """False while an actor that died is being restarted (nothing is sent to it until it answers)."""
+        if shard.ping is None:
+            return True
+        if time.monotonic() < shard.ping_after:
+            return False
+        ready, _ = ray.wait([shard.ping], timeout=0)
+        if not ready:
+            return False
+        try:
+            ray.get(shard.ping)
+        except ray.exceptions.RayActorError:
+            shard.ping, shard.ping_after = shard.handle.progress.remote(), time.monotonic() + 0.5
+            return False
+        shard.ping = None
+        return True
+
+    def _submit(self, shard: _Shard, tasks: list[SolveTask], budget: Budget, alone: bool = False) -> None:
         ref = shard.handle.run.remote(tasks, budget)
-        shard.flying[ref] = _Batch(self._shards.index(shard), tasks, attempts, alone)
+        shard.flying[ref] = _Batch(self._shards.index(shard), tasks, alone)
 
     def _collect(self, ref, shard: _Shard, b: _Batch, budget: Budget, done: set[str]):
         try:
@@ -216,17 +235,24 @@ class RayExecutor:
                 yield key, verdict
 
     def _retry(self, shard: _Shard, b: _Batch, budget: Budget, done: set[str], why: str):
-        self.restarts += 1
+        """The actor died with this batch: Ray restarts it; its tasks go back to the front of its queue
+        (sent once it answers again), and a task whose batch saw `MAX_ATTEMPTS` deaths is unknown."""
+        if shard.ping is None:
+            self.restarts += 1
+            shard.ping, shard.ping_after = shard.handle.progress.remote(), time.monotonic() + 0.5
         left = [t for t in b.tasks if t.key not in done]
-        log.warning("solver actor %d (%s) %s on a batch of %d keys; Ray restarts it (attempt %d of %d)",
-                    b.shard, _where(shard.where), why, len(left), b.attempts + 2, MAX_ATTEMPTS)
-        if b.attempts + 1 >= MAX_ATTEMPTS:
-            for t in left:
+        log.warning("solver actor %d (%s) %s with a batch of %d keys in flight; Ray restarts it and the batch "
+                    "is sent again", b.shard, _where(shard.where), why, len(left))
+        again = []
+        for t in left:
+            self._deaths[t.key] = self._deaths.get(t.key, 0) + 1
+            if self._deaths[t.key] >= MAX_ATTEMPTS:
                 done.add(t.key)
-                yield t.key, Verdict("unknown", 2, "engine", reason=f"solver actor {b.shard} {why} "
-                                                                       f"{MAX_ATTEMPTS} times on this key's batch")
-        elif left:
-            self._submit(shard, left, budget, b.attempts + 1, b.alone)
+                yield t.key, Verdict("unknown", 2, "engine", reason=f"solver actor {b.shard} {why}; "
+                                                                       f"{MAX_ATTEMPTS} deaths with this key in flight")
+            else:
+                again.append(t)
+        (shard.suspects if b.alone else shard.queue).extendleft(reversed(again))
 
     def _expire(self, budget: Budget, tasks: dict[str, SolveTask], done: set[str]) -> None:
         """Ask each busy actor how long its current task has run; past the task's limit its solver ignores
@@ -254,6 +280,7 @@ class RayExecutor:
                         self._shards.index(shard), _where(shard.where), current[1])
             ray.kill(shard.handle, no_restart=False)
             self.restarts += 1
+            shard.ping, shard.ping_after = shard.handle.progress.remote(), time.monotonic() + 0.5
             batches, shard.flying, shard.where = list(shard.flying.values()), {}, {}
             for b in batches:
                 left = [t for t in b.tasks if t.key not in done]
@@ -280,6 +307,7 @@ class RayExecutor:
                          w["rss_mb"])
                 ray.kill(shard.handle, no_restart=False)
                 shard.draining, shard.where = False, {}
+                shard.ping, shard.ping_after = shard.handle.progress.remote(), time.monotonic() + 0.5
                 self.restarts += 1
 
 

@@ -1,0 +1,79 @@
+"""A 3-node local Ray cluster (`ray.cluster_utils.Cluster`): the same certificate as the local executor, and a
+worker node removed mid-run loses no work."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from tv_ray import api
+from tv_ray.engine.driver import _batches, obligations_of
+from tv_ray.engine.executor import LocalExecutor, SolveTask
+from tv_ray.engine.ray_executor import RayExecutor
+from tv_ray.engine.solve import Budget
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import faults  # noqa: E402
+
+ray.cloudpickle.register_pickle_by_value(faults)
+BUDGET = Budget(solvers=("z3",), timeout_s=2.0)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if ray.is_initialized():
+        ray.shutdown()                   # another test's local Ray: this module needs its own cluster
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    workers = [cluster.add_node(num_cpus=2) for _ in range(2)]
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+    yield cluster, workers
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return api.parallelize(api.capture_step("llama3-tiny", optim="adamw", clip=1.0), "dp=2,tp=2,pp=2,mb=2",
+                           model="llama3-tiny")
+
+
+def _content(out: Path):
+    manifest = json.loads((out / "certificate.json").read_text())
+    del manifest["reduction"]["seconds"]
+    skip = {"phases_s", "executor", "command", "manifest_sha256", "obligations"}
+    return {k: v for k, v in manifest.items() if k not in skip}, \
+        pq.read_table(out / "obligations.parquet").drop(["seconds"]).to_pylist()
+
+
+def test_a_three_node_cluster_gives_the_same_certificate_as_the_local_executor(cluster, plan, tmp_path):
+    on_cluster = api.verify(plan, executor=RayExecutor(actors=4, cpus_per_actor=1), progress=False)
+    local = api.verify(plan, engine="local", progress=False)
+    assert on_cluster.proved and on_cluster.outcome.executor == "ray(4 actors on 3 nodes)"
+    on_cluster.save(tmp_path / "cluster")
+    local.save(tmp_path / "local")
+    assert _content(tmp_path / "cluster") == _content(tmp_path / "local")
+
+
+def test_a_worker_node_removed_mid_run_loses_no_work(cluster, plan, tmp_path):
+    head, workers = cluster
+    part = obligations_of(plan)[3]
+    tasks = [SolveTask.make(key, lhs, rhs) for key, (lhs, rhs) in part.formulas.items()]
+    expected = dict(LocalExecutor().run(_batches(tasks, 64), BUDGET))
+    executor = RayExecutor(actors=6, batch=8, cpus_per_actor=0.5, solve=faults.logs_pids(str(tmp_path / "calls")))
+    seen: list[str] = []
+    for key, verdict in executor.run(_batches(tasks, 64), BUDGET):
+        seen.append(key)
+        assert verdict.verdict == expected[key].verdict and verdict.method == expected[key].method
+        if len(seen) == 24:                   # remove a worker node that holds an actor: it dies with it,
+            busy = {ray.get(s.handle.where.remote())["node"] for s in executor._shards}   # Ray restarts it
+            removed = next(w for w in workers if w.node_id[:12] in busy)
+            head.remove_node(removed)
+    executor.close()
+    assert sorted(seen) == sorted(expected) and len(seen) > 48 and executor.restarts >= 1
