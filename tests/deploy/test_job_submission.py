@@ -32,9 +32,12 @@ def cluster():
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
            "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
     env.pop("RAY_ADDRESS", None)
-    port, dashboard = _free_port(), _free_port()
+    port, dashboard, agent = _free_port(), _free_port(), _free_port()
+    # the job agent's HTTP port defaults to 52365, which another Ray on this machine (this very test run's
+    # local Ray) already holds: then every submission fails with "No available agent"
     started = subprocess.run([str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
                               "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--num-cpus=2",
+                              f"--dashboard-agent-listen-port={agent}",
                               f"--temp-dir={temp}", "--disable-usage-stats"],
                              env=env, capture_output=True, text=True, timeout=120)
     assert started.returncode == 0, started.stderr[-2000:]
@@ -78,7 +81,7 @@ def test_a_ray_job_runs_tv_ray_verify_on_the_cluster(cluster, tmp_path):
     deadline = time.monotonic() + 120
     while True:             # a fresh head takes a while to start its job agent ("No available agent ...")
         job = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
-        if job.returncode == 0 or "No available agent" not in job.stderr or time.monotonic() > deadline:
+        if job.returncode == 0 or "No available agent" not in job.stdout + job.stderr or time.monotonic() > deadline:
             break
         time.sleep(3)
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
