@@ -197,7 +197,8 @@ class Lowering:
         acc = v.names[0]
         for name in v.names[1:]:
             acc = self._emit(self._fresh(v.names[0].split("@")[0]), op, [acc, name], {}, shape, v.dtype, meta)
-        return Local(out, (acc,), v.dtype)
+        # the accumulated value holds the logical value (summed over the axes still partial): a cut point
+        return self._hold(Local(out, (acc,), v.dtype), self._logical_of(v))
 
     def _redistribute(self, v: Local, d: int, want: tuple[Factor, ...], gather: bool, meta) -> Local:
         have = v.layout.dims[d]
