@@ -75,7 +75,7 @@ def main() -> int:
     rows, reference = [], None
     row, reference = _measure("local (1 process)", LocalExecutor(), tasks, weight, budget)
     rows.append(row)
-    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
     for n in (1, 2, 4):
         row, verdicts = _measure(f"ray {n} actor{'s' if n > 1 else ''}", RayExecutor(
             actors=n, cpus_per_actor=min(1.0, os.cpu_count() / n)), tasks, weight, budget)
@@ -87,7 +87,7 @@ def main() -> int:
         cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
-    row, verdicts = _measure("ray 3-node cluster, 4 actors", RayExecutor(actors=4, cpus_per_actor=0.75), tasks,
+    row, verdicts = _measure("ray 3-node cluster, 4 actors", RayExecutor(actors=4, cpus_per_actor=0.5), tasks,
                              weight, budget)
     assert verdicts == reference, "the 3-node cluster gave other verdicts"
     rows.append(row)
