@@ -2,11 +2,9 @@
 worker node removed mid-run loses no work."""
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 
 from tv_ray import api
@@ -20,6 +18,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import faults  # noqa: E402
+from certificates import content  # noqa: E402
 
 ray.cloudpickle.register_pickle_by_value(faults)
 BUDGET = Budget(solvers=("z3",), timeout_s=2.0)
@@ -44,21 +43,13 @@ def plan():
                            model="llama3-tiny")
 
 
-def _content(out: Path):
-    manifest = json.loads((out / "certificate.json").read_text())
-    del manifest["reduction"]["seconds"]
-    skip = {"phases_s", "executor", "command", "manifest_sha256", "obligations"}
-    return {k: v for k, v in manifest.items() if k not in skip}, \
-        pq.read_table(out / "obligations.parquet").drop(["seconds"]).to_pylist()
-
-
 def test_a_three_node_cluster_gives_the_same_certificate_as_the_local_executor(cluster, plan, tmp_path):
     on_cluster = api.verify(plan, executor=RayExecutor(actors=4, cpus_per_actor=1), progress=False)
     local = api.verify(plan, engine="local", progress=False)
     assert on_cluster.proved and on_cluster.outcome.executor == "ray(4 actors on 3 nodes)"
     on_cluster.save(tmp_path / "cluster")
     local.save(tmp_path / "local")
-    assert _content(tmp_path / "cluster") == _content(tmp_path / "local")
+    assert content(tmp_path / "cluster") == content(tmp_path / "local")
 
 
 def test_a_worker_node_removed_mid_run_loses_no_work(cluster, plan, tmp_path):

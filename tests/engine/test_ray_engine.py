@@ -1,11 +1,9 @@
 """The Ray engine: the same verdicts and certificate as the local executor, and faults that lose nothing."""
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 
 from tv_ray import api
@@ -17,9 +15,9 @@ from tv_ray.engine.solve import Budget
 ray = pytest.importorskip("ray")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import faults  # noqa: E402
+from certificates import content  # noqa: E402
 
 ray.cloudpickle.register_pickle_by_value(faults)
-TIMINGS = {"phases_s", "executor", "command", "manifest_sha256", "obligations"}
 BUDGET = Budget(solvers=("z3",), timeout_s=2.0)
 
 
@@ -36,13 +34,6 @@ def plan():
                            model="llama3-tiny")
 
 
-def _content(out: Path) -> tuple[dict, list]:
-    manifest = json.loads((out / "certificate.json").read_text())
-    table = pq.read_table(out / "obligations.parquet").drop(["seconds"]).to_pylist()
-    del manifest["reduction"]["seconds"]
-    return {k: v for k, v in manifest.items() if k not in TIMINGS}, table
-
-
 def _verdicts(outcome) -> dict:
     return {k: (v.verdict, v.tier, v.method) for k, v in outcome.verdicts.items()}
 
@@ -53,7 +44,7 @@ def test_ray_gives_the_same_certificate_as_the_local_executor(local_ray, plan, t
     assert local.proved and on_ray.proved and on_ray.outcome.executor.startswith("ray(2 actors")
     local.save(tmp_path / "local")
     on_ray.save(tmp_path / "ray")
-    assert _content(tmp_path / "local") == _content(tmp_path / "ray")
+    assert content(tmp_path / "local") == content(tmp_path / "ray")
 
 
 def test_a_solver_actor_killed_mid_batch_is_restarted_and_nothing_is_lost_or_counted_twice(local_ray, plan,
