@@ -35,7 +35,7 @@ def one(model: str, spec: str, batch: int, jobs: int) -> dict:
     counts = outcome.counts()
     return {"model": model, "parallel": spec, "batch": batch, "ranks": plan.num_ranks, "status": outcome.status,
             **counts, "mirrored": outcome.partition.mirrored,
-            "moved": outcome.partition.moved, "tiers": outcome.tiers(),
+            "moved": outcome.partition.moved, "accumulated": outcome.partition.accumulated, "tiers": outcome.tiers(),
             "wall_s": round(done - started, 1), "capture_s": round(captured - started, 1),
             "plan_s": round(built - captured, 1), "verify_s": round(done - built, 1),
             "phases_s": {k: round(v, 1) for k, v in outcome.phases.items()}, "dims": outcome.reduction.reduced,

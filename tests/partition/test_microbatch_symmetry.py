@@ -12,7 +12,7 @@ from tv_ray.engine.driver import verify_plan
 from tv_ray.engine.executor import LocalExecutor
 from tv_ray.engine.solve import Budget
 from tv_ray.partition.stages import partition
-from tv_ray.partition.symmetry import Blocks, Moves
+from tv_ray.partition.symmetry import Blocks, Moves, microbatch_moves
 from tv_ray.terms import var
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
@@ -31,7 +31,7 @@ def _verify(plan):
 def test_moved_microbatches_give_the_same_stages_as_computing_them(mb4):
     plan, dims, claims = mb4
     full, moved = partition(plan, dims, claims, symmetry=False), partition(plan, dims, claims)
-    assert full.moved == 0 and moved.moved > 1000
+    assert full.moved == full.accumulated == 0 and moved.moved > 1000 and moved.accumulated >= 20
     assert sorted((o.id, o.ranks, o.claim, o.reads, o.mb) for o in full.obligations) == \
         sorted((o.id, o.ranks, o.claim, o.reads, o.mb) for o in moved.obligations)
     assert len(moved.formulas) == len(full.formulas)
@@ -84,3 +84,38 @@ def test_a_microbatch_reading_another_microbatchs_activation_is_found(mb4):
     outcome = _verify(with_program(plan, "main", edit(program, "main", change={"mm_3@2": crossed})))
     first = outcome.first_refuted()
     assert outcome.status == "refuted" and (first.id, first.mb) == ("r0/mm_3@2", 2)
+
+
+def test_gradient_accumulation_is_proved_as_microbatch_0s_contribution(mb4):
+    plan, dims, claims = mb4
+    moved = partition(plan, dims, claims)
+    stage = next(o for o in moved.obligations if o.id == "r0/t_22~15")      # layers.1.mlp.down_proj's gradient
+    lhs, rhs = moved.formulas[stage.key]
+    assert moved.accumulated >= 20 and microbatch_moves(plan, dims, None, True).footprint(lhs + rhs) == ({0}, False)
+
+
+def _accumulation_edited(plan, change):
+    program = plan.programs["main"]
+    return with_program(plan, "main", edit(program, "main", change={
+        name: _like(program.value(name), name, "add", args) for name, args in change.items()}))
+
+
+def test_an_accumulation_that_adds_one_microbatch_twice_and_drops_the_last_is_refuted(mb4):
+    outcome = _verify(_accumulation_edited(mb4[0], {"t_22~15": ["t_22~14", "t_22@2"]}))
+    first = outcome.first_refuted()
+    assert outcome.status == "refuted" and outcome.partition.accumulated >= 20
+    assert (first.id, first.module, first.phase) == ("r0/t_22~15", "layers.1.mlp.down_proj", "bwd")
+
+
+def test_a_wrong_contribution_in_every_microbatch_is_refuted_at_the_accumulated_gradient(mb4):
+    plan = mb4[0]
+    program = plan.programs["main"]
+    change = {}
+    for m in range(4):
+        t = program.value(f"t_22@{m}")
+        change[f"t_22@{m}"] = [_like(t, f"t_22@{m}_", t.op.value, t.args, t.attr),
+                               _like(t, f"t_22@{m}", "mul", [f"t_22@{m}_"], {"other": 2.0})]
+    outcome = _verify(with_program(plan, "main", edit(program, "main", change=change)))
+    first = outcome.first_refuted()
+    assert outcome.status == "refuted" and outcome.partition.accumulated >= 20
+    assert (first.id, first.module) == ("r0/t_22~15", "layers.1.mlp.down_proj")

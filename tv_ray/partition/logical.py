@@ -10,7 +10,10 @@ tensor with a batch dimension holds block 0's elements, and any slice
 (`value_at`, `definition_at`) renames block 0 to the blocks it covers. A
 tensor without samples computed from tensors with samples (a weight
 gradient, the loss) is built over the whole batch — its definition only when
-asked, for a contribution sum, whose block-0 part is `contribution`.
+asked, for a contribution sum, whose block-0 part is `contribution`. A view
+or copy of a contribution sum (a weight gradient transposed) moves each
+element of the sum, so it is the sum over blocks of the view of each block's
+part: it has a `contribution` too.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tv_ray.ir import Graph, Node, Op
+from tv_ray.ir.ops import VIEWS
 from tv_ray.partition.keys import _parse
 from tv_ray.partition.symmetry import Blocks
 from tv_ray.semantics.symbolic import INF, NEG_INF, STRUCTURAL, choice, eval_symbolic
@@ -26,6 +30,7 @@ from tv_ray.semantics.table import instantiate_shape
 from tv_ray.terms import Kind, Term, sum_, var
 
 SHAPE_ONLY = frozenset({Op.FULL_LIKE})      # reads only its input's shape
+MOVES_ELEMENTS = VIEWS | {Op.CLONE}         # each output element is one input element
 INFINITE = frozenset({INF, NEG_INF})
 DERIVE_DEPTH = 24
 DERIVE_COMPUTE = 4
@@ -89,6 +94,8 @@ class LogicalTerms:
                 d = eval_symbolic(node, [lt.whole(a) for a in node.args], dims)
             else:
                 d = eval_symbolic(node, [lt.value[a] for a in node.args], small if lt._has_samples(node.name) else dims)
+                if node.op in MOVES_ELEMENTS and node.args[0] in lt.contribution:
+                    lt.contribution[node.name] = eval_symbolic(node, [lt.contribution[node.args[0]]], dims)
             lt.definition[node.name] = d
             lt.value[node.name] = lt._atoms(node.name, d.shape, d) if varies else d
         return lt

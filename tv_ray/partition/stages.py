@@ -90,6 +90,7 @@ class Partition:
     copy_of: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))   # its stage's index
     mirrors: "Mirrors | None" = None
     moved: int = 0                  # recorded stages of microbatches k > 0 taken from microbatch 0's (one key)
+    accumulated: int = 0            # gradient accumulation stages proved as microbatch 0's contribution
 
     @property
     def mirrored(self) -> int:
@@ -170,6 +171,20 @@ class Moved:
         self.base, self.k, self.shape, self.real = base, k, base.shape, None
 
 
+class Accumulated:
+    """A sum over microbatches never computed: microbatch 0's `base` plus its renamings to each other
+    microbatch in `ks` (gradient accumulation of `Moved` values). Recorded at its cut as microbatch 0's
+    contribution alone (`SymbolicRun._accumulated`); built only when it meets anything else."""
+
+    __slots__ = ("base", "ks", "shape", "real")
+
+    def __init__(self, base: np.ndarray, ks: frozenset[int]):
+        self.base, self.ks, self.shape, self.real = base, ks, base.shape, None
+
+
+LAZY = (Moved, Accumulated)
+
+
 class SymbolicRun(Scheduler):
     """The scheduler on object arrays of terms, cutting at claims and recording obligations.
 
@@ -188,7 +203,10 @@ class SymbolicRun(Scheduler):
     left alone by the renaming, gives that result renamed without computing,
     and where such a value is cut at a claim that is microbatch 0's claim
     moved to block k, the stage is microbatch 0's renamed: it takes that
-    stage's key, and its terms are never built.
+    stage's key, and its terms are never built. Gradient accumulation — the
+    sum of a value of microbatch 0 and its renamings — stays a sum of
+    renamings (`Accumulated`); cut at a contribution sum over those blocks, its
+    stage is microbatch 0's part against block 0's contribution.
     """
 
     def __init__(self, plan: Plan, dims: dict[str, int], logical: LogicalTerms,
@@ -203,6 +221,7 @@ class SymbolicRun(Scheduler):
         self._cuts0: dict[int, dict] = {}
         self._footprints: dict[int, dict] = {}
         self.moved = 0
+        self.accumulated = 0        # stages of gradient accumulation recorded as microbatch 0's contribution
         self.sources: dict[tuple[int, str], frozenset[str]] = {}
         self.pending: dict[str, dict[int, np.ndarray]] = {}
         self.obligations: list[Obligation] = []
@@ -237,8 +256,8 @@ class SymbolicRun(Scheduler):
     # -- the value domain --------------------------------------------------------------------
     def evaluate(self, state, node: Node, args):
         rank = state.rank
-        if any(isinstance(a, Moved) for a in args):
-            hit = self._moved(rank, node, args)
+        if any(isinstance(a, LAZY) for a in args):
+            hit = self._moved(rank, node, args) or self._accumulate(node, args)
             if hit is not None:
                 return hit
             args = [self._real(a) for a in args]
@@ -279,7 +298,7 @@ class SymbolicRun(Scheduler):
         self._group_sources = frozenset().union(
             *(self.sources.get((m, self.ranks[m].program.nodes[self.ranks[m].pc].args[0]), frozenset())
               for m in members))
-        if any(isinstance(v, Moved) for v in values):
+        if any(isinstance(v, LAZY) for v in values):
             hit = self._moved_group(node, members, values)
             if hit is not None:
                 return hit
@@ -334,12 +353,45 @@ class SymbolicRun(Scheduler):
             (self.mirrors is None or self.mirrors.block[rank] == 0)
 
     def _real(self, value):
-        """A `Moved` value's terms (built once); any other value as it is."""
-        if not isinstance(value, Moved):
+        """A `Moved` or `Accumulated` value's terms (built once); any other value as it is."""
+        if not isinstance(value, LAZY):
             return value
-        if value.real is None:
+        if value.real is None and isinstance(value, Moved):
             value.real = self.moves.rename(value.base, value.k)
+        elif value.real is None:
+            renamed = [self.moves.rename(value.base, k) for k in sorted(value.ks)]
+            value.real = np.empty(value.shape, dtype=object)
+            for idx in np.ndindex(value.shape):
+                value.real[idx] = sum_([r[idx] for r in renamed])
         return value.real
+
+    def _accumulate(self, node: Node, args) -> Accumulated | None:
+        """The sum of microbatch 0's value and its renamings (or of such sums), kept as the set of blocks
+        renamed to; None when the summands are not renamings of one value to distinct blocks."""
+        if node.op != Op.ADD or len(args) != 2:
+            return None
+        bases = [a.base for a in args if isinstance(a, LAZY)]
+        if any(b is not bases[0] for b in bases):
+            return None
+        ks = [frozenset({a.k}) if isinstance(a, Moved) else a.ks if isinstance(a, Accumulated)
+              else frozenset({0}) if a is bases[0] else None for a in args]
+        if None in ks or ks[0] & ks[1] or args[0].shape != args[1].shape:
+            return None
+        return Accumulated(bases[0], ks[0] | ks[1])
+
+    def _accumulated(self, claim: Claim, values, width: int):
+        """(microbatch 0's parts, block 0's contribution) when every value sums the renamings of one part to
+        blocks [0, width) and the claim is their contribution sum; else None.
+
+        Sound by renaming: each value is Σₖ σₖ(part) (σₖ the microbatch renaming, a bijection on variables);
+        part ≡ c₀ (block 0's contribution, this stage's obligation) gives σₖ(part) ≡ σₖ(c₀) = cₖ, and Σₖ cₖ
+        over [0, width) is the claim's value (`LogicalTerms.contribution_of`). One σₖ serves every member."""
+        blocks = frozenset(range(width))
+        if self.moves is None or claim.logical not in self.logical.contribution or not values or \
+                not all(isinstance(v, Accumulated) and v.ks == blocks for v in values):
+            return None
+        self.accumulated += 1
+        return [v.base for v in values], self.logical.contribution_of(claim.logical, claim.slices(), 1)
 
     def _fixed(self, rank: int, value, k: int) -> bool:
         """Does renaming microbatch 0 to k leave the value alone (no sample of block 0 or k, no free part)?"""
@@ -546,10 +598,11 @@ class SymbolicRun(Scheduler):
                                                         for _ in first)
         renamed = all(not v.same for v in values if isinstance(v, Mirrored)) and \
             all(isinstance(v, Mirrored) for m, v in zip(members, values) if block[m] != 0)
-        if claim.logical in mirrors.blocks.sums and even and renamed:
+        if claim.logical in self.logical.contribution and even and renamed:
             part = [v for m, v in zip(members, values) if block[m] == 0]
-            return self._record(cid, members, state, node, claim, part, reads,
-                                rhs=self.logical.contribution_of(claim.logical, claim.slices(), mirrors.width))
+            part, rhs = self._accumulated(claim, part, mirrors.width) or \
+                (part, self.logical.contribution_of(claim.logical, claim.slices(), mirrors.width))
+            return self._record(cid, members, state, node, claim, part, reads, rhs=rhs)
         values = [self._mirror(members, values, m) if isinstance(v, Mirrored) else v for m, v in zip(members, values)]
         return self._record(cid, members, state, node, claim, values, reads)
 
@@ -560,6 +613,8 @@ class SymbolicRun(Scheduler):
         self.copied[1].append(state.pc)
 
     def _record(self, cid, members, state, node: Node, claim: Claim, values, reads, rhs=None) -> None:
+        if rhs is None and self.mirrors is None and self.moves is not None:
+            values, rhs = self._accumulated(claim, values, self.moves.blocks.count) or (values, None)
         values = [self._real(v) for v in values]
         lhs = [sum_([as_dtype(v, "float")[idx] for v in values]) for idx in np.ndindex(claim.shape)]
         if rhs is None and _logical_atoms(lhs, self.logical) == {claim.logical}:
@@ -711,7 +766,8 @@ def partition(plan: Plan, dims: dict[str, int], claims: dict[tuple[int, str], Cl
         for src in ob.reads:
             dag.add_edge(src, ob.id)
     return Partition(run.obligations, run.boundary, dag, run.notes, run.formulas,
-                     notes + (found.notes if found else []), copies[0], copies[1], found, run.moved)
+                     notes + (found.notes if found else []), copies[0], copies[1], found, run.moved,
+                     run.accumulated)
 
 
 __all__ = ["Obligation", "Partition", "LogicalTerms", "SymbolicRun", "partition", "expand", "atoms",
