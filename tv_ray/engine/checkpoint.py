@@ -3,6 +3,7 @@
     OUT/checkpoint/plan.json         the plan itself (`tv-ray verify --resume OUT` needs nothing else)
     OUT/checkpoint/run.json          its SHA-256 and the settings that decide verdicts
     OUT/checkpoint/part-000001.parquet, ...   (key, verdict, tier, method, seconds, axioms, reason, ...)
+    OUT/checkpoint/parts.json        each whole part's SHA-256, rewritten after each part
 
 Verdicts belong to unique keys (each key is solved once; every obligation
 with that key shares it), and keys are content hashes of the formulas, so a
@@ -11,10 +12,14 @@ them in. Each part is written to a temporary name and renamed: a run killed
 at any moment leaves whole parts only, and loses at most the verdicts since
 the last flush. A resumed run takes the plan and the settings that decide
 verdicts (solvers, timeout, seed, symmetry) from the checkpoint, and refuses
-one whose plan file was edited since.
+one whose plan file or any listed part was changed since (a verdict taken on
+resume is never solved again, so it must be the one the solver gave). A part
+that `parts.json` does not list (the run was killed between writing the two)
+is not trusted: its keys are solved again.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -47,11 +52,11 @@ class Checkpoint:
         self._buffer: list[tuple[str, Verdict]] = []
         self._flushed = time.monotonic()
         self._parts = 0
+        self._digests: dict[str, str] = {}        # part file name -> SHA-256 (`parts.json`)
 
     # -- starting and resuming ------------------------------------------------------------------
     def start(self, plan: Plan, settings: dict) -> None:
         """A new run: clear any old checkpoint, keep the plan and the settings."""
-        from tv_ray.certificate.write import sha256_file
         if self.dir.exists():
             for f in self.dir.iterdir():
                 f.unlink()
@@ -62,7 +67,6 @@ class Checkpoint:
 
     def resume(self) -> tuple[Plan, dict]:
         """The checkpoint's plan and settings, its solved keys loaded (`verdicts`)."""
-        from tv_ray.certificate.write import sha256_file
         try:
             run = json.loads((self.dir / "run.json").read_text())
             digest = sha256_file(self.dir / "plan.json")
@@ -71,15 +75,27 @@ class Checkpoint:
         if digest != run["plan_sha256"]:
             raise CheckpointError(f"{self.dir / 'plan.json'} was changed after the run started (SHA-256 "
                                   f"{digest[:12]}…, recorded {run['plan_sha256'][:12]}…)")
-        parts = sorted(self.dir.glob("part-*.parquet"))
-        for path in parts:
+        try:
+            self._digests = json.loads((self.dir / "parts.json").read_text())
+        except FileNotFoundError:
+            self._digests = {}
+        except (OSError, ValueError) as err:
+            raise CheckpointError(f"{self.dir / 'parts.json'}: unreadable ({err})") from None
+        for name, recorded in sorted(self._digests.items()):
+            path = self.dir / name
+            if not path.exists():
+                raise CheckpointError(f"{path}: listed in parts.json but missing")
+            digest = sha256_file(path)
+            if digest != recorded:
+                raise CheckpointError(f"{path} was changed after it was written (SHA-256 {digest[:12]}…, "
+                                      f"recorded {recorded[:12]}…)")
             try:
                 table = pq.read_table(path, schema=SCHEMA)
             except (OSError, pa.ArrowInvalid) as err:
                 raise CheckpointError(f"{path}: unreadable checkpoint part ({err})") from None
             for row in table.to_pylist():
                 self.verdicts[row["key"]] = _verdict(row)
-        self._parts = len(parts)
+        self._parts = max((int(p.stem.split("-")[1]) for p in self.dir.glob("part-*.parquet")), default=0)
         return Plan.load(self.dir / "plan.json"), run["settings"]
 
     # -- streaming --------------------------------------------------------------------------------
@@ -99,7 +115,10 @@ class Checkpoint:
         path = self.dir / f"part-{self._parts:06d}.parquet"
         tmp = path.with_suffix(".tmp")
         pq.write_table(table, tmp, compression="zstd")
+        digest = sha256_file(tmp)
         os.replace(tmp, path)
+        self._digests[path.name] = digest
+        _atomic_write(self.dir / "parts.json", json.dumps(self._digests, indent=0, sort_keys=True) + "\n")
         self._buffer.clear()
 
 
@@ -113,6 +132,11 @@ def _verdict(row: dict) -> Verdict:
     return Verdict(row["verdict"], row["tier"], row["method"], row["seconds"], tuple(row["axioms"] or ()),
                    row["reason"] or "", row["element"], json.loads(row["point"] or "{}"),
                    tuple(row["values"] or ("", "")))
+
+
+def sha256_file(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _atomic_write(path: Path, text: str) -> None:
