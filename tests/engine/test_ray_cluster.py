@@ -1,8 +1,11 @@
 """A 3-node local Ray cluster (`ray.cluster_utils.Cluster`): the same certificate as the local executor, and a
-worker node removed mid-run loses no work."""
+worker node removed mid-run loses no work; a driver whose cluster dies stops with a resumable checkpoint."""
 from __future__ import annotations
 
+import re
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -68,3 +71,28 @@ def test_a_worker_node_removed_mid_run_loses_no_work(cluster, plan, tmp_path):
             head.remove_node(removed)
     executor.close()
     assert sorted(seen) == sorted(expected) and len(seen) > 48 and executor.restarts >= 1
+
+
+def test_losing_the_cluster_ends_with_a_clear_error_and_a_resumable_checkpoint(ray_head, tmp_path):
+    """The driver runs as its own process against a `ray start --head` cluster that is then killed whole."""
+    out = tmp_path / "out"
+    bin_ = Path(sys.executable).parent
+    run = subprocess.Popen([str(bin_ / "tv-ray"), "verify", "--model", "llama3-tiny", "--parallel", "dp=2,tp=2",
+                            "-o", str(out), "--address", ray_head.address, "--solvers", "z3", "-q"],
+                           env=ray_head.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not list((out / "checkpoint").glob("part-*.parquet")) and time.monotonic() < deadline and run.poll() is None:
+        time.sleep(0.2)
+    assert run.poll() is None, run.stderr.read()[-2000:]
+    ray_head.kill(spare=(run.pid,))
+    _, err = run.communicate(timeout=120)
+    lines = [line for line in err.splitlines() if line.startswith("tv-ray verify: ")]
+    assert run.returncode == 2 and len(lines) == 2, err[-3000:]
+    assert re.fullmatch(r"tv-ray verify: lost the Ray cluster: its GCS at [\d.]+:\d+ has refused connections for "
+                        r"\d+ s \(Connection refused\)", lines[0]), lines[0]
+    assert lines[1] == (f"tv-ray verify: the verdicts so far are in {out}/checkpoint; continue with "
+                        f"`tv-ray verify --resume {out}`")
+    done = subprocess.run([str(bin_ / "tv-ray"), "verify", "--resume", str(out), "--engine", "local"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "PROVED" in done.stdout and "resumed: " in done.stdout

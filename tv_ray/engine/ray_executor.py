@@ -24,7 +24,13 @@ Faults, each logged with the actor, its process and its node:
 - an actor whose memory passes `recycle_mb` or that solved `recycle_tasks`
   tasks (solver libraries leak) is drained and restarted;
 - losing the cluster ends the run with `EngineError` (the driver keeps the
-  checkpoint, so `tv-ray verify --resume OUT` continues it).
+  checkpoint, so `tv-ray verify --resume OUT` continues it): once an actor
+  has died, the driver checks every second that the cluster's GCS still
+  accepts connections, and after `LOST_S` of refusals it stops. (Ray's own
+  driver would end the process after `gcs_rpc_server_reconnect_timeout_s`
+  without a word about the checkpoint; the driver raises that limit for
+  itself to `DRIVER_RECONNECT_S`, so a long stretch of stage generation
+  cannot outlast it.)
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ import logging
 import os
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+import socket
 import time
 import zlib
 from collections import deque
@@ -52,6 +59,8 @@ GRACE_S = 5.0                 # per task, on top of its equations' solver timeou
 PROBE_S = 1.0                 # how often busy actors are asked how long their current task has run
 RECYCLE_TASKS = 50_000
 RECYCLE_MB = 3072
+LOST_S = 10.0                 # the GCS refusing connections this long: the cluster is gone
+DRIVER_RECONNECT_S = 600      # how long Ray lets this driver wait for a lost GCS before ending the process
 
 
 class EngineError(TvRayError):
@@ -122,12 +131,16 @@ class RayExecutor:
         self._deaths: dict[str, int] = {}              # key -> actor deaths while its batch ran
         self.restarts = 0
         self.name = "ray"
+        self._gcs: tuple[str, int] | None = None
+        self._refused_since: float | None = None      # when the GCS first refused a connection (in a row)
+        self._gcs_checked = 0.0
 
     # -- cluster and actors ------------------------------------------------------------------------
     def _start(self) -> None:
         if self._shards:
             return
         if not ray.is_initialized():
+            os.environ.setdefault("RAY_gcs_rpc_server_reconnect_timeout_s", str(DRIVER_RECONNECT_S))
             try:
                 if self.address:
                     ray.init(address=self.address, log_to_driver=False, configure_logging=False)
@@ -136,6 +149,8 @@ class RayExecutor:
             except (ConnectionError, RuntimeError, ValueError) as err:
                 raise EngineError(f"cannot reach the Ray cluster at {self.address or 'a new local Ray'}: {err}") \
                     from None
+        host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
+        self._gcs = host, int(port)
         cpus = int(ray.cluster_resources().get("CPU", 1))
         # one CPU stays with the driver (stage generation) unless the cluster has only one
         n = self.actors or max(1, int((cpus - 1 if cpus > 1 else cpus) / self.cpus_per_actor))
@@ -174,6 +189,7 @@ class RayExecutor:
                                  budget)
             while self._out:
                 yield self._out.pop()
+            self._check_cluster()
             flying = {ref: (shard, b) for shard in self._shards for ref, b in shard.flying.items()}
             if not flying:
                 if exhausted and not any(s.queue or s.suspects for s in self._shards):
@@ -191,6 +207,22 @@ class RayExecutor:
                 yield from self._collect(ref, shard, b, budget, done)
             self._expire(budget, {t.key: t for _, b in flying.values() for t in b.tasks}, done)
             self._recycle()
+
+    def _check_cluster(self) -> None:
+        """While an actor is down: is the cluster's GCS still there? EngineError after `LOST_S` of refusals."""
+        now = time.monotonic()
+        if all(shard.ping is None for shard in self._shards) or now - self._gcs_checked < PROBE_S:
+            return
+        self._gcs_checked = now
+        try:
+            socket.create_connection(self._gcs, timeout=PROBE_S).close()
+            self._refused_since = None
+        except OSError as err:
+            self._refused_since = self._refused_since or now
+            if now - self._refused_since >= LOST_S:
+                raise EngineError(f"lost the Ray cluster: its GCS at {self._gcs[0]}:{self._gcs[1]} has refused "
+                                  f"connections for {now - self._refused_since:.0f} s ({err.strerror or err})") \
+                    from None
 
     def _room(self) -> bool:
         """Backpressure: pull more work only while some actor has room and no actor's queue is long."""
