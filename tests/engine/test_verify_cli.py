@@ -2,6 +2,7 @@
 import json
 from dataclasses import replace
 
+from tv_ray.api import verify
 from tv_ray.cli import main
 from tv_ray.ir import Graph, Node
 
@@ -66,3 +67,15 @@ def test_a_missing_pipeline_send_is_refuted_as_missing_communication(tmp_path, c
     assert report["headline"].startswith("missing or misrouted communication — deadlock: rank 0 (pp=0) waits at ")
     assert (f"rank 1 (pp=1) waits at programs.stage1.ops[79] ({send.args[0]}<0 = recv from rank 0 (pp=0), "
             f"tag {send.attr['tag']})") in report["headline"]
+
+
+def test_progress_bars_count_ops_generated_and_obligations_solved(tiny_dp2_plan, capsys):
+    result = verify(tiny_dp2_plan, solvers=("z3",), engine="local", progress=True)
+    err = capsys.readouterr().err.replace("\r", "\n")
+    ops = sum(len(tiny_dp2_plan.programs[tiny_dp2_plan.rank_programs()[0][i]].nodes)
+              for i in tiny_dp2_plan.rank_programs()[1])
+    counts = result.outcome.counts()
+    generating = [line for line in err.splitlines() if line.startswith("generating: 100%")]
+    solving = [line for line in err.splitlines() if line.startswith("solving: 100%")]
+    assert generating and f"{ops}/{ops} " in generating[-1] and f"unique {counts['unique']}]" in generating[-1]
+    assert solving and f"proved {counts['obligations']} refuted 0 unknown 0" in solving[-1]

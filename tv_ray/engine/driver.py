@@ -257,7 +257,7 @@ def verify_plan(plan: Plan, *, budget: Budget = Budget(), executor: Executor | N
     dropped: list[tuple[int, str]] = []
     for _ in range(REFINE_ROUNDS):
         t = time.perf_counter()
-        part = partition(plan, reduction.reduced, claims, found or (symmetry and not notes))
+        part = partition(plan, reduction.reduced, claims, found or (symmetry and not notes), progress=show)
         part.symmetry = notes + part.symmetry
         phases["partition"] += time.perf_counter() - t
         t = time.perf_counter()

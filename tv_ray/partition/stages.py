@@ -28,6 +28,7 @@ never proved, while its refutations elsewhere still locate bugs.
 from __future__ import annotations
 
 import functools
+import sys
 from array import array
 from collections import Counter
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from typing import Iterator
 
 import networkx as nx
 import numpy as np
+from tqdm import tqdm
 
 from tv_ray.errors import TvRayError
 from tv_ray.execute import Scheduler
@@ -48,6 +50,7 @@ from tv_ray.semantics.symbolic import as_dtype, eval_symbolic, group_rule
 from tv_ray.semantics.table import instantiate_shape
 from tv_ray.terms import Kind, Term, postorder, substitute, sum_
 
+BAR_STEP = 4096              # ops stepped between progress bar updates
 EXPAND_ROUNDS = 24
 EXPAND_GROWTH, EXPAND_SLACK = 3, 1000      # stop unfolding past 3x the formula's size + 1000 nodes
 
@@ -210,8 +213,10 @@ class SymbolicRun(Scheduler):
     """
 
     def __init__(self, plan: Plan, dims: dict[str, int], logical: LogicalTerms,
-                 claims: dict[tuple[int, str], Claim], mirrors: Mirrors | None = None, moves: Moves | None = None):
-        self.logical, self.claims, self.mirrors, self.moves = logical, claims, mirrors, moves
+                 claims: dict[tuple[int, str], Claim], mirrors: Mirrors | None = None, moves: Moves | None = None,
+                 bar: tqdm | None = None):
+        self.logical, self.claims, self.mirrors, self.moves, self.bar = logical, claims, mirrors, moves, bar
+        self._stepped = 0
         self.mirrored = mirrors.rep if mirrors else {}
         # microbatch 0's values per rank (`moves`): op and collective results by (op, arguments), continuations
         # of cuts by claim, and the stage each cut value was recorded in; dropped when the rank ends
@@ -236,6 +241,18 @@ class SymbolicRun(Scheduler):
         rank_inputs = self._inputs(plan)
         super().__init__(plan, dims, rank_inputs, keep=False)
         self._nodes = {name: {n.name: n for n in g.nodes} for name, g in plan.programs.items()}
+
+    def run(self):
+        try:
+            return super().run()
+        finally:
+            if self.bar is not None:
+                self._show(self._stepped % BAR_STEP)
+
+    def _show(self, stepped: int) -> None:
+        self.bar.set_postfix_str(f"stages {len(self.obligations) + len(self.copied[0])} unique {len(self.formulas)}",
+                                 refresh=False)
+        self.bar.update(stepped)
 
     # -- program inputs from boundary lineage --------------------------------------------------
     def _inputs(self, plan: Plan) -> list[dict[str, np.ndarray]]:
@@ -531,6 +548,9 @@ class SymbolicRun(Scheduler):
             self.sources[key] = reads
         freed = self.frees[state.name][state.pc]
         super()._advance(state, node, value)
+        self._stepped += 1
+        if self.bar is not None and self._stepped % BAR_STEP == 0:
+            self._show(BAR_STEP)
         for name in freed:                  # a value read for the last time: nothing reads its sources again
             self.sources.pop((state.rank, name), None)
         if state.done:
@@ -731,20 +751,24 @@ def expand(lhs: list[Term], rhs: list[Term], logical: LogicalTerms) -> tuple[lis
 
 
 def partition(plan: Plan, dims: dict[str, int], claims: dict[tuple[int, str], Claim],
-              symmetry: "bool | Mirrors" = True) -> Partition:
+              symmetry: "bool | Mirrors" = True, progress: bool = False) -> Partition:
     """Run the plan symbolically with cuts at `claims`; the obligations and the stage DAG.
 
     With `symmetry` (True, or the plan's `mirrors` already found), the logical graph is built for one block
     of samples and dp ranks are mirrored where `tv_ray.partition.symmetry` shows it sound (their claims
     are their representatives', moved, whatever `claims` holds for them); where it cannot, the note says
     why and every rank runs in full. Mirrored stages are kept compactly (`Partition.copy`); the stage DAG
-    holds the recorded ones, whose composition the mirrored ones repeat under renaming."""
+    holds the recorded ones, whose composition the mirrored ones repeat under renaming. With `progress`, a
+    bar on stderr counts the ops stepped through (every rank's program), the stages and the unique keys."""
     found, notes = (symmetry, []) if isinstance(symmetry, Mirrors) else find_mirrors(plan, dims, symmetry)
     moves = microbatch_moves(plan, dims, found, bool(symmetry))
     logical = LogicalTerms.build(plan.logical, dims, moves.blocks if moves else found.blocks if found else None)
     copies = np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32)
+    names, ids = plan.rank_programs()
+    total = sum(len(plan.programs[names[i]].nodes) for i in ids)
+    bar = tqdm(total=total, disable=not progress, unit="op", desc="generating", file=sys.stderr, dynamic_ncols=True)
     try:
-        run = SymbolicRun(plan, dims, logical, claims, found, moves)
+        run = SymbolicRun(plan, dims, logical, claims, found, moves, bar)
         run.run()
         copies = run.resolve_copies()
     except Asymmetric as why:
@@ -754,8 +778,11 @@ def partition(plan: Plan, dims: dict[str, int], claims: dict[tuple[int, str], Cl
             raise TvRayError(f"data-parallel symmetry failed during the run ({why}) and the claims of the mirrored "
                              f"ranks were never built; run with --no-symmetry") from None
         found = None
-        run = SymbolicRun(plan, dims, logical, claims)
+        bar.reset()
+        run = SymbolicRun(plan, dims, logical, claims, bar=bar)
         run.run()
+    finally:
+        bar.close()
     for cid, parts in run.pending.items():
         run.notes.append(f"{cid}: partial claim produced on ranks {sorted(parts)} only")
     dag = nx.DiGraph()
