@@ -65,16 +65,19 @@ def ray_head():
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
            "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
     env.pop("RAY_ADDRESS", None)
-    port, dashboard, agent = _free_port(), _free_port(), _free_port()
-    # the job agent's HTTP port defaults to 52365, which another Ray on this machine (this very test run's
-    # local Ray) already holds: then every submission fails with "No available agent"
-    started = subprocess.run([str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
-                              "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--num-cpus=2",
-                              f"--dashboard-agent-listen-port={agent}",
-                              f"--temp-dir={temp}", "--disable-usage-stats"],
-                             env=env, capture_output=True, text=True, timeout=120)
+    for _ in range(3):
+        port, dashboard, agent = _free_port(), _free_port(), _free_port()
+        # the job agent's HTTP port defaults to 52365, which another Ray on this machine (this very test run's
+        # local Ray) already holds: then every submission fails with "No available agent"
+        started = subprocess.run([str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1",
+                                  f"--port={port}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+                                  "--num-cpus=2", f"--dashboard-agent-listen-port={agent}", f"--temp-dir={temp}",
+                                  "--disable-usage-stats"], env=env, capture_output=True, text=True, timeout=120)
+        head = Head(f"127.0.0.1:{port}", f"http://127.0.0.1:{dashboard}", env, temp)
+        if started.returncode == 0 or "is used by other components" not in started.stderr:
+            break
+        head.kill()     # a port picked here was also picked by Ray for one of its own components: again
     assert started.returncode == 0, started.stderr[-2000:]
-    head = Head(f"127.0.0.1:{port}", f"http://127.0.0.1:{dashboard}", env, temp)
     try:
         yield head
     finally:

@@ -105,15 +105,14 @@ class Result:
 
     def save(self, out: str | Path) -> Path:
         """Write OUT/certificate.json + obligations.parquet (proved) or OUT/report.json (otherwise)."""
-        from tv_ray.certificate.write import obligation_table, write_certificate
-        import pyarrow.parquet as pq
+        from tv_ray.certificate.write import write_certificate, write_obligations
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         if self.proved:
             self.certificate = write_certificate(self.outcome, out, self.plan_path, self.settings)
             (out / "report.json").unlink(missing_ok=True)
             return out / "certificate.json"
-        pq.write_table(obligation_table(self.outcome), out / "obligations.parquet", compression="zstd")
+        write_obligations(self.outcome, out / "obligations.parquet")
         (out / "certificate.json").unlink(missing_ok=True)
         (out / "report.json").write_text(json.dumps(self.report, indent=1, default=str) + "\n")
         return out / "report.json"

@@ -4,9 +4,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 from tv_ray import api
+from tv_ray.certificate.write import write_obligations
 from tv_ray.engine.driver import verify_plan
 from tv_ray.engine.executor import LocalExecutor
 from tv_ray.engine.ray_executor import RayExecutor
@@ -82,3 +84,12 @@ def test_solver_actors_are_recycled_after_their_task_limit(local_ray, plan, tmp_
     pids = [line.split()[0] for line in log.read_text().splitlines()]
     assert outcome.status == "proved" and executor.restarts >= 2 and len(set(pids)) >= 3
     assert sum(int(line.split()[1]) for line in log.read_text().splitlines()) == len(outcome.verdicts)
+
+
+def test_mirrored_obligations_expanded_by_ray_tasks_give_the_same_table(local_ray, plan, tmp_path):
+    outcome = api.verify(plan, engine="local", progress=False).outcome
+    assert outcome.partition.mirrored > 2 * 500
+    write_obligations(outcome, tmp_path / "ranges.parquet", rows=500)           # ranges on Ray tasks
+    write_obligations(outcome, tmp_path / "whole.parquet", rows=1 << 20)        # one range, in this process
+    ranges, whole = pq.read_table(tmp_path / "ranges.parquet"), pq.read_table(tmp_path / "whole.parquet")
+    assert ranges.num_rows == outcome.partition.size and ranges.equals(whole)

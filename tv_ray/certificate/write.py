@@ -22,9 +22,11 @@ import hashlib
 import json
 import platform
 import sys
-from collections import Counter
+from collections import Counter, deque
+from dataclasses import replace
 from importlib import metadata
 from pathlib import Path
+from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -62,33 +64,72 @@ def _version(package: str) -> str:
         return "not installed"
 
 
-def obligation_table(outcome: Outcome) -> pa.Table:
-    """One row per obligation: the recorded ones in stage order, then the mirrored ones (each under its
-    representative's key)."""
-    cols: dict[str, list] = {k: [] for k in ("id", "stage", "slot", "key", "tier", "method", "verdict", "seconds",
-                                              "reads", "program", "tensor", "boundary")}
-    first: set[str] = set()
-    for ob in outcome.partition.every():        # recorded stages in stage order, then the mirrored ones
-        key = ob.key
-        v = outcome.verdicts[key]
+SCHEMA = pa.schema([("id", pa.string()), ("stage", pa.string()), ("slot", pa.string()), ("key", pa.string()),
+                    ("tier", pa.int8()), ("method", pa.string()), ("verdict", pa.string()), ("seconds", pa.float64()),
+                    ("reads", pa.list_(pa.string())), ("program", pa.string()), ("tensor", pa.string()),
+                    ("boundary", pa.bool_())])
+ROWS = 1 << 16                  # obligations per record batch (one range of stages)
+
+
+def write_obligations(outcome: Outcome, path: str | Path, rows: int = ROWS) -> None:
+    """The obligations table, streamed: one row per obligation — the recorded stages in stage order, then the
+    mirrored ones (each under its representative's key) — written one record batch of `rows` at a time, so
+    memory holds a batch, not millions of rows. With Ray running (the Ray engine), the mirrored stages are
+    expanded in ranges by Ray tasks, in parallel, and written in order: the same file either way."""
+    part = outcome.partition
+    with pq.ParquetWriter(path, SCHEMA, compression="zstd") as writer:
+        first: set[str] = set()
+        for start in range(0, len(part.obligations), rows):
+            writer.write_batch(_batch(part.obligations[start:start + rows], outcome.verdicts, first))
+        ranges = [(start, min(start + rows, part.mirrored)) for start in range(0, part.mirrored, rows)]
+        for batch in _copied_batches(part, outcome.verdicts, ranges):
+            writer.write_batch(batch)
+
+
+def _batch(obligations, verdicts: dict, first: set[str]) -> pa.RecordBatch:
+    """Rows for `obligations`; a key's solving time goes on its first row only (`first`: keys already seen)."""
+    cols: dict[str, list] = {name: [] for name in SCHEMA.names}
+    for ob in obligations:
+        v = verdicts[ob.key]
         cols["id"].append(ob.id)
         cols["stage"].append(ob.claim.logical)
         cols["slot"].append(",".join(map(str, ob.ranks)) + (f"@{ob.mb}" if ob.mb is not None else ""))
-        cols["key"].append(key)
+        cols["key"].append(ob.key)
         cols["tier"].append(v.tier)
         cols["method"].append(v.method)
         cols["verdict"].append(v.verdict)
-        cols["seconds"].append(v.seconds if key not in first else 0.0)
-        first.add(key)
+        cols["seconds"].append(v.seconds if ob.key not in first else 0.0)
+        first.add(ob.key)
         cols["reads"].append(list(ob.reads))
         cols["program"].append(ob.program)
         cols["tensor"].append(ob.tensor)
         cols["boundary"].append(ob.claim.boundary)
-    schema = pa.schema([("id", pa.string()), ("stage", pa.string()), ("slot", pa.string()), ("key", pa.string()),
-                        ("tier", pa.int8()), ("method", pa.string()), ("verdict", pa.string()),
-                        ("seconds", pa.float64()), ("reads", pa.list_(pa.string())), ("program", pa.string()),
-                        ("tensor", pa.string()), ("boundary", pa.bool_())])
-    return pa.table(cols, schema=schema)
+    return pa.RecordBatch.from_pydict(cols, schema=SCHEMA)
+
+
+def _copied(part, verdicts: dict, start: int, stop: int) -> pa.RecordBatch:
+    """Mirrored stages [start, stop) as rows (every key was first seen at its representative's stage)."""
+    keys = {part.obligations[i].key for i in set(part.copy_of[start:stop].tolist())}
+    return _batch((part.copy(i) for i in range(start, stop)), verdicts, keys)
+
+
+def _copied_batches(part, verdicts: dict, ranges: list[tuple[int, int]]) -> Iterator[pa.RecordBatch]:
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized() or len(ranges) < 2:
+        for start, stop in ranges:
+            yield _copied(part, verdicts, start, stop)
+        return
+    task = ray.remote(num_cpus=1)(_copied)
+    # what expanding a mirrored stage needs: the recorded stages and the mirrors (not the formulas or the DAG)
+    part_ref, verdicts_ref = ray.put(replace(part, formulas={}, dag=None)), ray.put(verdicts)
+    flying: deque = deque()
+    window = max(2, int(ray.available_resources().get("CPU", 1)) * 2)
+    for start, stop in ranges:
+        flying.append(task.remote(part_ref, verdicts_ref, start, stop))
+        if len(flying) >= window:
+            yield ray.get(flying.popleft())
+    while flying:
+        yield ray.get(flying.popleft())
 
 
 def write_certificate(outcome: Outcome, out: str | Path, plan_path: str | Path | None, settings: dict) -> dict:
@@ -102,7 +143,7 @@ def write_certificate(outcome: Outcome, out: str | Path, plan_path: str | Path |
         outcome.plan.save(plan_path)
     plan_path = Path(plan_path).resolve()
     named = str(plan_path.relative_to(out.resolve())) if plan_path.is_relative_to(out.resolve()) else str(plan_path)
-    pq.write_table(obligation_table(outcome), out / TABLE, compression="zstd")
+    write_obligations(outcome, out / TABLE)
     part = outcome.partition
     axioms = sorted({a for v in outcome.verdicts.values() for a in v.axioms})
     manifest = {
@@ -136,5 +177,5 @@ def write_certificate(outcome: Outcome, out: str | Path, plan_path: str | Path |
     return manifest
 
 
-__all__ = ["write_certificate", "obligation_table", "manifest_digest", "sha256_file", "versions", "FORMAT",
+__all__ = ["write_certificate", "write_obligations", "manifest_digest", "sha256_file", "versions", "FORMAT",
            "MANIFEST", "TABLE", "PLAN"]
