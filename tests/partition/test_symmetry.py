@@ -46,6 +46,34 @@ def test_an_op_that_reads_samples_by_position_ends_the_symmetry(step):
     assert str(err.value) == f"logical op {clone.name} = slice(...): slice along the batch dimension"
 
 
+GPT2_DIMS = {"batch": 4, "seq": 2, "heads": 2, "head_dim": 2, "ffn": 4, "vocab": 4}
+
+
+@pytest.fixture(scope="module")
+def gpt2_step():
+    from tv_ray import api
+    return api.capture_step("gpt2-tiny", optim="adamw", clip=1.0)
+
+
+def test_addmm_moves_the_rows_of_its_product_and_its_bias_is_shared(gpt2_step):
+    blocks = Blocks.of(gpt2_step, GPT2_DIMS, 2)
+    addmm = next(n for n in gpt2_step.nodes if n.op.value == "addmm")
+    assert blocks.tags[addmm.name] == Tag(0, GPT2_DIMS["seq"]) and blocks.tags[addmm.args[0]] is None
+
+
+def test_an_addmm_whose_bias_holds_samples_on_other_rows_ends_the_symmetry(gpt2_step):
+    addmm = next(n for n in gpt2_step.nodes if n.op.value == "addmm")
+    x = gpt2_step.value(addmm.args[1])
+    transposed = Node.make(f"{addmm.name}_bias", "transpose", [x.name], {"dim0": 0, "dim1": 1},
+                           (x.shape[1], x.shape[0]), "float")
+    wrong = Node.make(addmm.name, "addmm", [transposed.name, addmm.args[1], addmm.args[2]], {}, addmm.shape, "float")
+    graph = edit(gpt2_step, gpt2_step.name, change={addmm.name: [transposed, wrong]})
+    with pytest.raises(Asymmetric) as err:
+        Blocks.of(graph, GPT2_DIMS, 2)
+    assert str(err.value) == (f"logical op {addmm.name} = addmm(...): the bias {transposed.name} is not aligned "
+                              f"with the samples of the product")
+
+
 def test_mirrored_ranks_give_the_same_stages_as_running_every_rank(dp4):
     plan, dims, claims = dp4
     full, mirrored = partition(plan, dims, claims, symmetry=False), partition(plan, dims, claims)

@@ -635,8 +635,8 @@ class SymbolicRun(Scheduler):
     def _record(self, cid, members, state, node: Node, claim: Claim, values, reads, rhs=None) -> None:
         if rhs is None and self.mirrors is None and self.moves is not None:
             values, rhs = self._accumulated(claim, values, self.moves.blocks.count) or (values, None)
-        values = [self._real(v) for v in values]
-        lhs = [sum_([as_dtype(v, "float")[idx] for v in values]) for idx in np.ndindex(claim.shape)]
+        values = [as_dtype(self._real(v), "float") for v in values]
+        lhs = [sum_([v[idx] for v in values]) for idx in np.ndindex(claim.shape)]
         if rhs is None and _logical_atoms(lhs, self.logical) == {claim.logical}:
             # computed from the claimed tensor's own atoms (a copy, a received slice, a group's parts summed):
             # the claim is that they equal those atoms — no need to unfold its definition (for a weight

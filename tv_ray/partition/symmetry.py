@@ -166,17 +166,15 @@ def expected_tag(node: Node, tags: dict[str, Tag | None], shapes: dict[str, tupl
     if op in (Op.SOFTMAX_BACKWARD, Op.LOG_SOFTMAX_BACKWARD):
         return ins[0] if ins[0] == ins[1] else "a softmax backward mixes samples"
     if op in (Op.MM, Op.BMM):
-        lo = 1 if op == Op.BMM else 0
-        x, y = ins
-        if op == Op.BMM and x is not None and x.dim == 0:
-            return x if y == x else "bmm batches differ"
-        if x is not None and x.dim == lo and y is None:
-            return x                                     # rows of the left operand
-        if x is None and y is not None and y.dim == lo + 1:
-            return y                                     # columns of the right operand
-        if x is not None and y is not None and x.dim == lo + 1 and y.dim == lo and x.q == y.q:
-            return None                                  # the contraction runs over the samples: a sum
-        return f"{op} operands hold samples on dims that do not line up"
+        return _product_tag(op, *ins)
+    if op == Op.ADDMM:                                   # bias + x @ w
+        out = _product_tag(Op.MM, ins[1], ins[2])
+        if not isinstance(out, Tag):
+            return out if isinstance(out, str) else "addmm adds a bias to a sum over the samples"
+        at = _aligned(len(out_shape), shapes[node.args[0]], out.dim)
+        if (at is None and ins[0] is not None) or (at is not None and ins[0] != Tag(at, out.q)):
+            return f"the bias {node.args[0]} is not aligned with the samples of the product"
+        return out
     if op == Op.EMBEDDING:
         return ins[1] if ins[0] is None else "an embedding table holds samples"
     if op == Op.EMBEDDING_BACKWARD:
@@ -194,6 +192,20 @@ def expected_tag(node: Node, tags: dict[str, Tag | None], shapes: dict[str, tupl
             return "nll_loss_backward rows and targets do not line up"
         return logp
     return f"{op} is not known to commute with a permutation of samples"
+
+
+def _product_tag(op: Op, x: Tag | None, y: Tag | None) -> Tag | None | str:
+    """The samples of mm(x, y) / bmm(x, y): the rows of x, the columns of y, or none (a sum over them)."""
+    lo = 1 if op == Op.BMM else 0
+    if op == Op.BMM and x is not None and x.dim == 0:
+        return x if y == x else "bmm batches differ"
+    if x is not None and x.dim == lo and y is None:
+        return x                                     # rows of the left operand
+    if x is None and y is not None and y.dim == lo + 1:
+        return y                                     # columns of the right operand
+    if x is not None and y is not None and x.dim == lo + 1 and y.dim == lo and x.q == y.q:
+        return None                                  # the contraction runs over the samples: a sum
+    return f"{op} operands hold samples on dims that do not line up"
 
 
 CONTRIBUTION_SUMS = frozenset({Op.MM, Op.BMM, Op.SUM, Op.EMBEDDING_BACKWARD, Op.NLL_LOSS_TOTAL_WEIGHT})
