@@ -69,6 +69,17 @@ def test_gpt2_plans_match_logical_step(gpt2_sgd, spec, flags):
     assert _worst(plan, seed=2) == {}
 
 
+def test_gpt2_mlp_linears_are_split_over_tp_megatron_style(gpt2_sgd):
+    """addmm is captured as mm + bias add: c_fc runs column-parallel, c_proj row-parallel with an all-reduce
+    before its bias is added once (a fused addmm could only run replicated)."""
+    program = tv_ray.parallelize(gpt2_sgd, "tp=2", model="gpt2-tiny").programs["main"]
+    fwd = [n for n in program.nodes if n.get_meta("phase") == "fwd" and n.get_meta("module") in
+           ("layers.0.mlp.c_fc", "layers.0.mlp.c_proj")]
+    assert [(n.op.value, str(n.shape[-1])) for n in fwd if n.op.value not in ("view", "transpose")] == [
+        ("mm", "ffn/2"), ("add", "ffn/2"),                                          # c_fc: columns split
+        ("mm", "head_dim*heads"), ("all_reduce", "head_dim*heads"), ("add", "head_dim*heads")]    # c_proj
+
+
 def test_plan_round_trips_through_its_file(llama_sgd, tmp_path):
     plan = tv_ray.parallelize(llama_sgd, "dp=2,tp=2,pp=2,mb=2", model="llama3-tiny", sp=True)
     path = tmp_path / "plan.json"

@@ -290,9 +290,12 @@ def _triu(cv: Converter, x, diagonal=0):
 
 
 def _addmm(cv: Converter, bias, a, b, beta=1, alpha=1):
+    """bias + a @ b as add(mm(a, b), bias): the parallelizer splits an mm (and its contraction, as a partial
+    sum reduced before the bias is added once) where a fused addmm could only run replicated."""
     if beta != 1 or alpha != 1:
         raise cv.error(f"addmm with beta={beta}, alpha={alpha} is not supported (only 1, 1)")
-    return cv.emit(Op.ADDMM, [cv.arg(bias), cv.arg(a), cv.arg(b)])
+    product = cv.emit(Op.MM, [cv.arg(a), cv.arg(b)], suffix="_mm")
+    return cv.emit(Op.ADD, [product, cv.arg(bias)])
 
 
 def _gelu(cv: Converter, x, approximate="none"):
