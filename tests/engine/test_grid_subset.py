@@ -9,7 +9,8 @@ CONFIGS = [   # (model, parallel, flags, optim, tied)
     ("llama3-tiny", "dp=2,tp=2", {"sp": True, "zero": 1}, "adamw", None),
     ("gpt2-tiny", "tp=2,pp=2,mb=2", {"zero": 0}, "sgd", False),
     ("llama3-tiny", "dp=2,pp=2,mb=2", {"zero": 3}, "sgd", None),
-    ("gpt2-tiny", "dp=2,tp=2,pp=2,mb=2", {"sp": True, "zero": 2}, "adamw", None),
+    ("llama3-tiny", "dp=2,tp=2", {"zero": 2}, "adamw", None),
+    ("gpt2-tiny", "dp=2,tp=2,pp=2,mb=2", {"sp": True}, "adamw", None),     # dp mirrored, microbatches moved
     ("llama3-tiny", "mb=2", {"zero": 0}, "adamw", True),
 ]
 

@@ -55,22 +55,31 @@ def gpt2_step():
     return api.capture_step("gpt2-tiny", optim="adamw", clip=1.0)
 
 
+def _fused(graph, bias_of=None):
+    """The graph with its first linear (captured as add(mm(x, w), bias)) fused back into addmm(bias, x, w);
+    `bias_of(x)`: nodes making another bias from x, instead of the linear's own."""
+    add = next(n for n in graph.nodes if n.op.value == "add" and n.args[0] == f"{n.name}_mm")
+    mm = graph.value(add.args[0])
+    extra = bias_of(graph.value(mm.args[0])) if bias_of else []
+    bias = extra[-1].name if extra else add.args[1]
+    addmm = Node.make(add.name, "addmm", [bias, *mm.args], {}, add.shape, "float")
+    return edit(graph, graph.name, change={add.name: [*extra, addmm]}, drop=[mm.name]), addmm
+
+
 def test_addmm_moves_the_rows_of_its_product_and_its_bias_is_shared(gpt2_step):
-    blocks = Blocks.of(gpt2_step, GPT2_DIMS, 2)
-    addmm = next(n for n in gpt2_step.nodes if n.op.value == "addmm")
+    graph, addmm = _fused(gpt2_step)
+    blocks = Blocks.of(graph, GPT2_DIMS, 2)
     assert blocks.tags[addmm.name] == Tag(0, GPT2_DIMS["seq"]) and blocks.tags[addmm.args[0]] is None
 
 
 def test_an_addmm_whose_bias_holds_samples_on_other_rows_ends_the_symmetry(gpt2_step):
-    addmm = next(n for n in gpt2_step.nodes if n.op.value == "addmm")
-    x = gpt2_step.value(addmm.args[1])
-    transposed = Node.make(f"{addmm.name}_bias", "transpose", [x.name], {"dim0": 0, "dim1": 1},
-                           (x.shape[1], x.shape[0]), "float")
-    wrong = Node.make(addmm.name, "addmm", [transposed.name, addmm.args[1], addmm.args[2]], {}, addmm.shape, "float")
-    graph = edit(gpt2_step, gpt2_step.name, change={addmm.name: [transposed, wrong]})
+    def transposed(x):
+        return [Node.make("bias_from_x", "transpose", [x.name], {"dim0": 0, "dim1": 1}, (x.shape[1], x.shape[0]),
+                          "float")]
+    graph, addmm = _fused(gpt2_step, transposed)
     with pytest.raises(Asymmetric) as err:
         Blocks.of(graph, GPT2_DIMS, 2)
-    assert str(err.value) == (f"logical op {addmm.name} = addmm(...): the bias {transposed.name} is not aligned "
+    assert str(err.value) == (f"logical op {addmm.name} = addmm(...): the bias bias_from_x is not aligned "
                               f"with the samples of the product")
 
 
