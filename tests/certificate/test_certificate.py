@@ -79,6 +79,27 @@ def test_a_deleted_row_is_named(cert):
         check_certificate(cert, sample=1)
 
 
+def test_rows_out_of_stage_order_are_named(cert):
+    ids = pq.read_table(cert / "obligations.parquet").column("id").to_pylist()
+    _rewrite(cert, lambda t: pa.concat_tables([t.slice(1, 1), t.slice(0, 1), t.slice(2)]), refresh_hashes=True)
+    with pytest.raises(CertificateError, match=f"obligation {ids[0]} .* is missing from obligations.parquet at row "
+                                               f"1, where stage order puts it"):
+        check_certificate(cert, sample=1)
+    _rewrite(cert, lambda t: pa.concat_tables([t.slice(2, 1), t.slice(1)]), refresh_hashes=True)   # 2, 0, 2, ...
+    with pytest.raises(CertificateError) as err:
+        check_certificate(cert, sample=1)
+    assert str(err.value) == (f"obligations.parquet: row 1 is obligation {ids[2]} where the plan's stage 1 is "
+                              f"{ids[0]} (a row added, repeated or moved)")
+
+
+def test_a_repeated_last_row_is_not_a_stage(cert):
+    last = pq.read_table(cert / "obligations.parquet").column("id")[-1].as_py()
+    _rewrite(cert, lambda t: pa.concat_tables([t, t.slice(t.num_rows - 1)]), refresh_hashes=True)
+    with pytest.raises(CertificateError) as err:
+        check_certificate(cert, sample=1)
+    assert str(err.value) == f"obligations.parquet: obligation {last} is not a stage of this plan"
+
+
 def test_a_plan_edited_after_verification_fails(cert):
     plan = json.loads((cert / "plan.json").read_text())
     plan["lineage"] = plan["lineage"][::-1]

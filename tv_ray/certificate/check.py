@@ -85,51 +85,66 @@ def _other_budget(method: str, solvers: tuple[str, ...], timeout_s: float) -> li
     return [smt, norm] if method.startswith("normalised") else [norm, smt]
 
 
+def _compare(part, table: Path) -> tuple[int, dict[str, str], dict]:
+    """The table row by row against the plan's stages, in the order it is written (recorded stages, then the
+    mirrored ones), streamed: (rows, recorded method by key, first obligation by key). Raises naming the first
+    row that is missing, extra, out of order, of another formula or inputs, or not proved."""
+    derived = part.every()
+    by_key: dict[str, str] = {}
+    first: dict = {}
+    rows = 0
+    ob = next(derived, None)
+    columns = ["id", "key", "reads", "verdict", "method"]
+    for batch in pq.ParquetFile(table).iter_batches(batch_size=1 << 16, columns=columns):
+        for row in batch.to_pylist():
+            rows += 1
+            if ob is None:
+                raise CertificateError(f"{TABLE}: obligation {row['id']} is not a stage of this plan")
+            if row["id"] != ob.id:
+                after = next(derived, None)
+                if after is not None and row["id"] == after.id:
+                    raise CertificateError(f"obligation {ob.id} ({ob.claim.describe()}) is missing from {TABLE} "
+                                           f"at row {rows}, where stage order puts it")
+                raise CertificateError(f"{TABLE}: row {rows} is obligation {row['id']} where the plan's stage "
+                                       f"{rows} is {ob.id} (a row added, repeated or moved)")
+            if row["key"] != ob.key:
+                raise CertificateError(f"obligation {ob.id}: recorded key {row['key'][:16]}… but its formula "
+                                       f"hashes to {ob.key[:16]}…")
+            if list(row["reads"]) != list(ob.reads):
+                raise CertificateError(f"obligation {ob.id}: recorded inputs {row['reads']} differ from the "
+                                       f"plan's {list(ob.reads)}")
+            if row["verdict"] != "proved":
+                raise CertificateError(f"obligation {ob.id} is recorded as {row['verdict']}; a certificate needs "
+                                       f"every obligation proved")
+            by_key.setdefault(row["key"], row["method"])
+            first.setdefault(row["key"], ob)
+            ob = next(derived, None)
+    if ob is not None:
+        raise CertificateError(f"obligation {ob.id} ({ob.claim.describe()}) is missing from {TABLE}")
+    return rows, by_key, first
+
+
 def check_certificate(out: str | Path, sample: int | None = None, solvers: tuple[str, ...] = ("z3", "yices"),
                       timeout_s: float = 10.0, seed: int = 0) -> CheckReport:
     """Re-validate the certificate under `out`; raises CertificateError naming what failed."""
     started = time.perf_counter()
     out = Path(out)
     manifest, plan_path = _load(out)
-    rows = pq.read_table(out / TABLE).to_pylist()
     try:
         plan = Plan.load(plan_path)
     except PlanError as e:
         raise CertificateError(f"{plan_path}: {e}") from None
-    reduction, _, _, part, keys = obligations_of(plan, manifest["settings"].get("seed", 0),
-                                                 manifest.get("claims_dropped", []),
-                                                 manifest["settings"].get("symmetry", True))
+    reduction, _, _, part, _ = obligations_of(plan, manifest["settings"].get("seed", 0),
+                                              manifest.get("claims_dropped", []),
+                                              manifest["settings"].get("symmetry", True))
     if reduction.reduced != manifest["reduction"]["reduced"]:
         raise CertificateError(f"reduced dims {reduction.reduced} differ from the certificate's "
                                f"{manifest['reduction']['reduced']}")
-    recorded = {r["id"]: r for r in rows}
-    if len(recorded) != len(rows):
-        raise CertificateError(f"{TABLE}: an obligation id appears twice")
-    derived = {o.id: o for o in part.every()}
-    keys = {oid: o.key for oid, o in derived.items()}
-    for oid in derived:
-        if oid not in recorded:
-            raise CertificateError(f"obligation {oid} ({derived[oid].claim.describe()}) is missing from {TABLE}")
-    for oid, row in recorded.items():
-        ob = derived.get(oid)
-        if ob is None:
-            raise CertificateError(f"{TABLE}: obligation {oid} is not a stage of this plan")
-        if row["key"] != keys[oid]:
-            raise CertificateError(f"obligation {oid}: recorded key {row['key'][:16]}… but its formula hashes to "
-                                   f"{keys[oid][:16]}…")
-        if list(row["reads"]) != list(ob.reads):
-            raise CertificateError(f"obligation {oid}: recorded inputs {row['reads']} differ from the plan's "
-                                   f"{list(ob.reads)}")
-        if row["verdict"] != "proved":
-            raise CertificateError(f"obligation {oid} is recorded as {row['verdict']}; a certificate needs every "
-                                   f"obligation proved")
-    problems = composition_problems(plan, part, set(recorded))
+    rows, by_key, first = _compare(part, out / TABLE)
+    problems = composition_problems(plan, part, {o.id for o in part.obligations})
     if problems:
         raise CertificateError(f"composition does not hold: {problems[0]}")
-    report = CheckReport(obligations=len(rows))
-    by_key: dict[str, str] = {}
-    for row in rows:
-        by_key.setdefault(row["key"], row["method"])
+    report = CheckReport(obligations=rows)
     report.unique = len(by_key)
     chosen = sorted(by_key)
     if sample is not None and sample < len(chosen):
@@ -147,6 +162,7 @@ def check_certificate(out: str | Path, sample: int | None = None, solvers: tuple
                     report.same_method += 1
                 break
         else:
+            ob = first[key]
             raise CertificateError(f"key {key[:16]}… (obligation {ob.id}, {ob.claim.describe()}) was recorded as "
                                    f"{by_key[key]} but the checker could not prove it again: {verdict.reason}")
     report.seconds = time.perf_counter() - started

@@ -288,7 +288,7 @@ class SubprocessSolver(Solver):
         if symbols:
             script += f"(get-value ({' '.join(symbols)}))\n"
         script += "(exit)\n"
-        with tempfile.TemporaryDirectory(prefix="tv_ray_smt_") as tmp:
+        with tempfile.TemporaryDirectory(prefix="tv_ray_smt_", ignore_cleanup_errors=True) as tmp:
             query = Path(tmp, "query.smt2")
             query.write_text(script)
             out_path = Path(tmp, "out.txt")
