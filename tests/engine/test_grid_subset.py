@@ -1,9 +1,13 @@
-"""A CI subset of bench/verify_grid.py: correct plans across the recipe features are proved, and their
-certificates check (re-derived, re-proved by a different method on a sample of keys)."""
+"""A CI subset of bench/verify_grid.py: correct plans across the recipe features are proved on Ray, with the
+verdicts the in-process executor gives, and their certificates check (re-derived, re-proved by a different
+method on a sample of keys)."""
 import pytest
 
 from tv_ray import api
 from tv_ray.certificate import check_certificate
+from tv_ray.engine.driver import _batches
+from tv_ray.engine.executor import LocalExecutor, SolveTask
+from tv_ray.engine.solve import Budget
 
 CONFIGS = [   # (model, parallel, flags, optim, tied)
     ("llama3-tiny", "dp=2,tp=2", {"sp": True, "zero": 1}, "adamw", None),
@@ -20,9 +24,13 @@ CONFIGS = [   # (model, parallel, flags, optim, tied)
 def test_correct_plan_is_proved_and_its_certificate_checks(model, parallel, flags, optim, tied, tmp_path):
     graph = api.capture_step(model, optim=optim, clip=1.0, tied=tied)
     plan = api.parallelize(graph, parallel, model=model, **flags)
-    result = api.verify(plan, jobs=2, progress=False)
+    result = api.verify(plan, jobs=2, progress=False)            # the default engine: Ray, two solver actors
     assert result.proved, (result.report["headline"], result.report.get("problems"), result.report.get("open"))
-    assert result.counterexample is None
+    assert result.counterexample is None and result.outcome.executor.startswith("ray(2 actors")
+    tasks = [SolveTask.make(key, lhs, rhs) for key, (lhs, rhs) in result.outcome.partition.formulas.items()]
+    here = dict(LocalExecutor().run(_batches(tasks, 64), Budget()))      # api.verify's default budget
+    assert {k: (v.verdict, v.tier, v.method) for k, v in here.items()} == \
+        {k: (v.verdict, v.tier, v.method) for k, v in result.outcome.verdicts.items()}
     result.save(tmp_path)
     report = check_certificate(tmp_path, sample=10)
     assert report.resolved == 10 and report.obligations == result.outcome.counts()["obligations"]
