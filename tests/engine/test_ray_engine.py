@@ -36,6 +36,12 @@ def plan():
                            model="llama3-tiny")
 
 
+@pytest.fixture(scope="module")
+def reference(plan):
+    """The plan verified in this process: the verdicts every Ray run must give."""
+    return verify_plan(plan, budget=BUDGET, executor=LocalExecutor(), progress=False)
+
+
 def _verdicts(outcome) -> dict:
     return {k: (v.verdict, v.tier, v.method) for k, v in outcome.verdicts.items()}
 
@@ -50,18 +56,16 @@ def test_ray_gives_the_same_certificate_as_the_local_executor(local_ray, plan, t
 
 
 def test_a_solver_actor_killed_mid_batch_is_restarted_and_nothing_is_lost_or_counted_twice(local_ray, plan,
-                                                                                           tmp_path):
+                                                                                           reference, tmp_path):
     executor = RayExecutor(actors=2, batch=16, solve=faults.dies_once(str(tmp_path / "died")))
     outcome = verify_plan(plan, budget=BUDGET, executor=executor, progress=False)
     executor.close()
     assert (tmp_path / "died").exists() and executor.restarts >= 1
-    reference = verify_plan(plan, budget=BUDGET, executor=LocalExecutor(), progress=False)
     assert outcome.status == "proved" and _verdicts(outcome) == _verdicts(reference)
     assert outcome.counts() == reference.counts()
 
 
-def test_a_solver_that_hangs_is_killed_and_its_key_is_unknown_never_proved(local_ray, plan, tmp_path):
-    reference = verify_plan(plan, budget=BUDGET, executor=LocalExecutor(), progress=False)
+def test_a_solver_that_hangs_is_killed_and_its_key_is_unknown_never_proved(local_ray, plan, reference, tmp_path):
     small = sorted(k for k, (lhs, _) in reference.partition.formulas.items() if len(lhs) == 1)
     stuck = small[len(small) // 2]                       # one equation: its limit is 0.2 + 1 + 5 s
     log = tmp_path / "calls"
@@ -86,8 +90,8 @@ def test_solver_actors_are_recycled_after_their_task_limit(local_ray, plan, tmp_
     assert sum(int(line.split()[1]) for line in log.read_text().splitlines()) == len(outcome.verdicts)
 
 
-def test_mirrored_obligations_expanded_by_ray_tasks_give_the_same_table(local_ray, plan, tmp_path):
-    outcome = api.verify(plan, engine="local", progress=False).outcome
+def test_mirrored_obligations_expanded_by_ray_tasks_give_the_same_table(local_ray, reference, tmp_path):
+    outcome = reference
     assert outcome.partition.mirrored > 2 * 500
     write_obligations(outcome, tmp_path / "ranges.parquet", rows=500)           # ranges on Ray tasks
     write_obligations(outcome, tmp_path / "whole.parquet", rows=1 << 20)        # one range, in this process
