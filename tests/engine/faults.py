@@ -1,14 +1,23 @@
-"""Solve functions that misbehave on purpose, shipped to Ray solver actors by value (tests only).
+"""Solve functions that misbehave on purpose, shipped to Ray solver actors by value (tests only: actors cannot
+import this module, so importing it registers it to be pickled by value).
 
 Each takes (tasks, budget) like `tv_ray.engine.executor.solve_batch`; the marker files make a fault fire
 once across actor restarts (a restarted actor is a new process)."""
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
+import ray
+
 from tv_ray.engine.executor import solve_batch
+from tv_ray.engine.solve import Budget
+
+BUDGET = Budget(solvers=("z3",), timeout_s=2.0)      # what the fault tests solve with
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def dies_once(marker: str):

@@ -14,7 +14,6 @@ from tv_ray import api
 from tv_ray.engine.driver import _batches, obligations_of
 from tv_ray.engine.executor import LocalExecutor, SolveTask
 from tv_ray.engine.ray_executor import RayExecutor
-from tv_ray.engine.solve import Budget
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -22,9 +21,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import faults  # noqa: E402
 from certificates import content  # noqa: E402
-
-ray.cloudpickle.register_pickle_by_value(faults)
-BUDGET = Budget(solvers=("z3",), timeout_s=2.0)
+from faults import BUDGET  # noqa: E402
 
 
 @pytest.fixture(scope="module")

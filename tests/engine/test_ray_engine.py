@@ -18,9 +18,7 @@ ray = pytest.importorskip("ray")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import faults  # noqa: E402
 from certificates import content  # noqa: E402
-
-ray.cloudpickle.register_pickle_by_value(faults)
-BUDGET = Budget(solvers=("z3",), timeout_s=2.0)
+from faults import BUDGET  # noqa: E402
 
 
 @pytest.fixture(scope="module")

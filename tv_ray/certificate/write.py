@@ -86,8 +86,9 @@ def write_obligations(outcome: Outcome, path: str | Path, rows: int = ROWS) -> N
             writer.write_batch(batch)
 
 
-def _batch(obligations, verdicts: dict, first: set[str]) -> pa.RecordBatch:
-    """Rows for `obligations`; a key's solving time goes on its first row only (`first`: keys already seen)."""
+def _batch(obligations, verdicts: dict, first: set[str] | None) -> pa.RecordBatch:
+    """Rows for `obligations`; a key's solving time goes on its first row only (`first`: keys already seen;
+    None: every key was seen)."""
     cols: dict[str, list] = {name: [] for name in SCHEMA.names}
     for ob in obligations:
         v = verdicts[ob.key]
@@ -98,8 +99,9 @@ def _batch(obligations, verdicts: dict, first: set[str]) -> pa.RecordBatch:
         cols["tier"].append(v.tier)
         cols["method"].append(v.method)
         cols["verdict"].append(v.verdict)
-        cols["seconds"].append(v.seconds if ob.key not in first else 0.0)
-        first.add(ob.key)
+        cols["seconds"].append(v.seconds if first is not None and ob.key not in first else 0.0)
+        if first is not None:
+            first.add(ob.key)
         cols["reads"].append(list(ob.reads))
         cols["program"].append(ob.program)
         cols["tensor"].append(ob.tensor)
@@ -109,8 +111,7 @@ def _batch(obligations, verdicts: dict, first: set[str]) -> pa.RecordBatch:
 
 def _copied(part, verdicts: dict, start: int, stop: int) -> pa.RecordBatch:
     """Mirrored stages [start, stop) as rows (every key was first seen at its representative's stage)."""
-    keys = {part.obligations[i].key for i in set(part.copy_of[start:stop].tolist())}
-    return _batch((part.copy(i) for i in range(start, stop)), verdicts, keys)
+    return _batch((part.copy(i) for i in range(start, stop)), verdicts, None)
 
 
 def _copied_batches(part, verdicts: dict, ranges: list[tuple[int, int]]) -> Iterator[pa.RecordBatch]:

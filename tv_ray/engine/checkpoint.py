@@ -113,11 +113,13 @@ class Checkpoint:
         table = pa.Table.from_pylist(rows, schema=SCHEMA)
         self._parts += 1
         path = self.dir / f"part-{self._parts:06d}.parquet"
+        sink = pa.BufferOutputStream()
+        pq.write_table(table, sink, compression="zstd")
+        data = sink.getvalue()
         tmp = path.with_suffix(".tmp")
-        pq.write_table(table, tmp, compression="zstd")
-        digest = sha256_file(tmp)
+        tmp.write_bytes(data)
         os.replace(tmp, path)
-        self._digests[path.name] = digest
+        self._digests[path.name] = hashlib.sha256(data).hexdigest()
         _atomic_write(self.dir / "parts.json", json.dumps(self._digests, indent=0, sort_keys=True) + "\n")
         self._buffer.clear()
 
