@@ -211,7 +211,10 @@ class RayExecutor:
     def _check_cluster(self) -> None:
         """While an actor is down: is the cluster's GCS still there? EngineError after `LOST_S` of refusals."""
         now = time.monotonic()
-        if all(shard.ping is None for shard in self._shards) or now - self._gcs_checked < PROBE_S:
+        if all(shard.ping is None for shard in self._shards):
+            self._refused_since = None      # every actor answers: an earlier refusal was passing
+            return
+        if now - self._gcs_checked < PROBE_S:
             return
         self._gcs_checked = now
         try:
