@@ -1,12 +1,13 @@
 """llama3-8b at TrainVerify's configurations: wall time, obligations, unique keys, share closed by each tier.
 
     python bench/trainverify.py [--configs "dp=512;dp=16,tp=8,pp=4,mb=32"] [--batch 512] [--jobs 1]
-                                [--out bench/results/trainverify_8b.json]
+                                [--engine local|ray] [--out bench/results/trainverify_8b.json]
 
 Each config runs in its own process (peak memory is per config): capture the step (AdamW, clip 1.0),
 build the plan, verify it (z3 as the SMT tier), and record the phases, the counts, how many stages were
 mirrored from a data-parallel representative or moved from microbatch 0, and the unique keys closed per
-tier. Rows are appended to `--out` as they finish. TrainVerify reported 685 s (dp=512) and 8,532 s
+tier. `--engine ray`: a local Ray with `--jobs` solver actors, the stages generated one pipeline stage per shard
+in Ray tasks (every core); `local`: one process generates, `--jobs` processes solve. Rows are appended to `--out` as they finish. TrainVerify reported 685 s (dp=512) and 8,532 s
 (dp=16,tp=8,pp=4,mb=32) on 30 workers.
 """
 from __future__ import annotations
@@ -14,13 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import subprocess
 import sys
 import time
-from pathlib import Path
+
+from per_config import run_configs
 
 
-def one(model: str, spec: str, batch: int, jobs: int) -> dict:
+def one(model: str, spec: str, batch: int, jobs: int, engine: str) -> dict:
     import tv_ray
     from tv_ray.engine.driver import verify_plan
     from tv_ray.engine.executor import LocalExecutor
@@ -30,11 +31,17 @@ def one(model: str, spec: str, batch: int, jobs: int) -> dict:
     captured = time.perf_counter()
     plan = tv_ray.parallelize(graph, spec, model=model, dims={"batch": batch})
     built = time.perf_counter()
-    outcome = verify_plan(plan, budget=Budget(solvers=("z3",)), executor=LocalExecutor(jobs=jobs), progress=False)
+    if engine == "ray":
+        from tv_ray.engine.ray_executor import RayExecutor
+        executor = RayExecutor(actors=jobs)
+    else:
+        executor = LocalExecutor(jobs=jobs)
+    outcome = verify_plan(plan, budget=Budget(solvers=("z3",)), executor=executor, progress=False)
     done = time.perf_counter()
     counts = outcome.counts()
     return {"model": model, "parallel": spec, "batch": batch, "ranks": plan.num_ranks, "status": outcome.status,
-            **counts, "mirrored": outcome.partition.mirrored,
+            **counts, "engine": outcome.executor, "shards": outcome.partition.shards,
+            "mirrored": outcome.partition.mirrored,
             "moved": outcome.partition.moved, "accumulated": outcome.partition.accumulated, "tiers": outcome.tiers(),
             "wall_s": round(done - started, 1), "capture_s": round(captured - started, 1),
             "plan_s": round(built - captured, 1), "verify_s": round(done - built, 1),
@@ -49,29 +56,15 @@ def main() -> int:
     parser.add_argument("--configs", default="dp=512;dp=16,tp=8,pp=4,mb=32")
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--engine", choices=("local", "ray"), default="local")
     parser.add_argument("--out", default="bench/results/trainverify_8b.json")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)   # the per-config child
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(one(args.model, args.configs, args.batch, args.jobs)), flush=True)
+        print(json.dumps(one(args.model, args.configs, args.batch, args.jobs, args.engine)), flush=True)
         return 0
-    out = Path(args.out)
-    ok = True
-    for spec in args.configs.split(";"):
-        child = subprocess.run([sys.executable, __file__, "--one", "--model", args.model, "--configs", spec,
-                                "--batch", str(args.batch), "--jobs", str(args.jobs)],
-                               capture_output=True, text=True)
-        if child.returncode:
-            print(child.stderr[-2000:], file=sys.stderr)
-            ok = False
-            continue
-        row = json.loads(child.stdout.strip().splitlines()[-1])
-        print(json.dumps(row), flush=True)
-        rows = json.loads(out.read_text())["rows"] if out.exists() else []     # other runs may have written
-        rows = [r for r in rows if r["parallel"] != spec] + [row]
-        out.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
-        ok &= row["status"] == "proved"
-    return 0 if ok else 1
+    extra = ["--model", args.model, "--batch", str(args.batch), "--jobs", str(args.jobs), "--engine", args.engine]
+    return run_configs(__file__, args.configs, extra, args.out, lambda row: row["status"] == "proved")
 
 
 if __name__ == "__main__":

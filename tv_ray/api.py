@@ -122,7 +122,7 @@ def verify(model_or_plan=None, parallel: str | None = None, *, optim: str = "ada
            sp: bool = False, zero: int = 0, solvers=("z3", "cvc5", "yices"), timeout: float = 10.0,
            jobs: int | None = None, progress: bool | None = None, seed: int = 0, executor=None,
            symmetry: bool = True, engine: str = "ray", address: str | None = None,
-           checkpoint: str | Path | None = None, resume: bool = False) -> Result:
+           checkpoint: str | Path | None = None, resume: bool = False, shards: bool | None = None) -> Result:
     """Prove that a plan computes the single-device training step, or find where it does not.
 
     `model_or_plan` is a `Plan`, a plan file path, or a built-in model name (then
@@ -135,14 +135,15 @@ def verify(model_or_plan=None, parallel: str | None = None, *, optim: str = "ada
     Solving runs on `engine` "ray" (solver actors on a local Ray using every core, or the cluster at
     `address` / RAY_ADDRESS; `jobs` actors if given) or "local" (this process, or `jobs` processes).
     With `checkpoint=OUT` every verdict streams to OUT/checkpoint; `resume=True` continues the run
-    recorded there (its plan and settings), solving only the keys it lacks.
+    recorded there (its plan and settings), solving only the keys it lacks. `shards`: generate the stages
+    one pipeline stage per shard, in parallel (True), in one run (False), or by the plan's size (None).
     """
     from tv_ray.diagnose import diagnose
     from tv_ray.engine.checkpoint import Checkpoint
     from tv_ray.engine.driver import verify_plan
     from tv_ray.engine.executor import executor_for
     from tv_ray.engine.solve import Budget
-    settings = {"solvers": list(solvers), "timeout_s": timeout, "seed": seed, "symmetry": symmetry}
+    settings = {"solvers": list(solvers), "timeout_s": timeout, "seed": seed, "symmetry": symmetry, "shards": shards}
     saved = Checkpoint(checkpoint) if checkpoint is not None else None
     plan_path = None
     if resume:
@@ -165,7 +166,7 @@ def verify(model_or_plan=None, parallel: str | None = None, *, optim: str = "ada
     executor = executor or executor_for(engine, jobs, address)
     try:
         outcome = verify_plan(plan, budget=budget, executor=executor, progress=progress, seed=settings["seed"],
-                              symmetry=settings["symmetry"], checkpoint=saved)
+                              symmetry=settings["symmetry"], checkpoint=saved, shards=settings.get("shards"))
     finally:
         executor.close()
     return Result(outcome, diagnose(outcome), settings, plan_path)

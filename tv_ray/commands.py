@@ -55,7 +55,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
                         zero=args.zero, solvers=tuple(args.solvers.split(",")), timeout=args.timeout,
                         jobs=args.jobs, progress=False if args.quiet else None, seed=args.seed,
                         symmetry=not args.no_symmetry, engine=args.engine, address=args.address,
-                        checkpoint=args.output, resume=args.resume is not None)
+                        checkpoint=args.output, resume=args.resume is not None,
+                        shards={"auto": None, "on": True, "off": False}[args.shards])
         written = result.save(args.output)
     except (TvRayError, OSError, ValueError) as err:
         print(f"tv-ray verify: {_one_line(err)}", file=sys.stderr)
@@ -134,6 +135,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         help="continue the run whose checkpoint is in OUT (solves only what is missing)")
     verify.add_argument("--no-symmetry", action="store_true",
                         help="run every dp rank in full instead of mirroring the ones the symmetry check allows")
+    verify.add_argument("--shards", choices=("auto", "on", "off"), default="auto",
+                        help="generate the stages one pipeline stage per shard, in parallel (auto: for plans of "
+                             "a million ops or more)")
     verify.add_argument("--seed", type=int, default=0, help="seed of the concrete runs and random points")
     verify.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
     verify.set_defaults(func=cmd_verify)

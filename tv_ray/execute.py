@@ -22,7 +22,7 @@ from tv_ray.semantics import Context, eval_node, rule_for
 from tv_ray.semantics.interpret import describe as describe_node
 from tv_ray.semantics.table import dtype_name, instantiate_shape
 
-_TOKEN = np.zeros(0)   # the value of a send: nothing
+TOKEN = np.zeros(0)   # the value of a send: nothing
 
 
 def _op_text(node: Node) -> str:
@@ -56,6 +56,7 @@ class Scheduler:
         self.frees = {name: _frees(plan.programs[name], keep) for name in set(names[i] for i in ids)}
         self.ranks = [_Rank(r, names[ids[r]], plan.programs[names[ids[r]]], rank_inputs[r],
                             Context(plan.axis_sizes, plan.coords(r))) for r in range(plan.num_ranks)]
+        self.active = self.ranks        # the ranks `run` steps (a symbolic run may own a subset)
         self.arrived: dict[tuple, dict[int, np.ndarray]] = {}          # (group, k) -> rank -> input
         self.mailbox: dict[tuple, deque] = defaultdict(deque)          # (src, dst, tag) -> values
         self.handlers = {**{op: self._collective for op in COLLECTIVES}, Op.SEND: self._send, Op.RECV: self._recv}
@@ -63,14 +64,14 @@ class Scheduler:
 
     def run(self) -> list[dict[str, np.ndarray]]:
         """Run every rank to its end; each rank's outputs by output name."""
-        while not all(r.done for r in self.ranks):
+        while not all(r.done for r in self.active):
             progressed = False
-            for state in self.ranks:
+            for state in self.active:
                 while not state.done and self._step(state):
                     progressed = True
             if not progressed:
                 raise CommunicationError(self._deadlock())
-        return [{out: r.env[value] for out, value in r.program.outputs} for r in self.ranks]
+        return [{out: r.env[value] for out, value in r.program.outputs} for r in self.active]
 
     # -- the value domain: concrete float64 here; the symbolic interpreter overrides these three
     def evaluate(self, state: "_Rank", node: Node, args: list[np.ndarray]) -> np.ndarray:
@@ -162,7 +163,7 @@ class Scheduler:
     def _send(self, state: _Rank, node: Node) -> bool:
         key = (state.rank, self._peer(state, node), node.attr.get("tag", 0))
         self.mailbox[key].append((state.env[node.args[0]], state.where(), self.send_extra(state, node)))
-        self._advance(state, node, _TOKEN)
+        self._advance(state, node, TOKEN)
         return True
 
     def _recv(self, state: _Rank, node: Node) -> bool:
@@ -181,7 +182,7 @@ class Scheduler:
 
     def _deadlock(self) -> str:
         waits = []
-        for state in self.ranks:
+        for state in self.active:
             if state.done:
                 continue
             node = state.program.nodes[state.pc]

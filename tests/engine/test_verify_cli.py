@@ -79,3 +79,15 @@ def test_progress_bars_count_ops_generated_and_obligations_solved(tiny_dp2_plan,
     solving = [line for line in err.splitlines() if line.startswith("solving: 100%")]
     assert generating and f"{ops}/{ops} " in generating[-1] and f"unique {counts['unique']}]" in generating[-1]
     assert solving and f"proved {counts['obligations']} refuted 0 unknown 0" in solving[-1]
+
+
+def test_shards_on_generates_one_pipeline_stage_per_shard_and_the_checker_follows(tmp_path, capsys):
+    from tv_ray import api
+    plan = api.parallelize(api.capture_step("llama3-tiny", optim="sgd", clip=None), "pp=2,mb=2", model="llama3-tiny")
+    plan.save(tmp_path / "plan.json")
+    assert main(["verify", str(tmp_path / "plan.json"), "-o", str(tmp_path / "out"), "-q", "--engine", "local",
+                 "--jobs", "2", "--shards", "on"]) == 0
+    manifest = json.loads((tmp_path / "out" / "certificate.json").read_text())
+    assert manifest["stage_dag"]["shards"] == 2 and manifest["settings"]["shards"] is True
+    assert manifest["symmetry"]["notes"] == []
+    assert main(["check", str(tmp_path / "out"), "--sample", "5"]) == 0

@@ -11,7 +11,7 @@ import pytest
 from tv_ray.engine.driver import verify_plan
 from tv_ray.engine.executor import LocalExecutor
 from tv_ray.engine.solve import Budget
-from tv_ray.partition.stages import partition
+from tv_ray.partition.generate import partition
 from tv_ray.partition.symmetry import Blocks, Moves, microbatch_moves
 from tv_ray.terms import var
 

@@ -5,7 +5,7 @@ import pytest
 from tv_ray import api
 from tv_ray.engine.driver import claims_for, obligations_of
 from tv_ray.partition.keys import formula_key
-from tv_ray.partition.stages import partition
+from tv_ray.partition.generate import partition
 from tv_ray.reduce import reduce_plan
 from tv_ray.terms import const, var
 

@@ -12,7 +12,7 @@ from tv_ray.engine.driver import verify_plan
 from tv_ray.engine.executor import LocalExecutor
 from tv_ray.engine.solve import Budget
 from tv_ray.ir import Graph, Node
-from tv_ray.partition.stages import partition
+from tv_ray.partition.generate import partition
 from tv_ray.partition.symmetry import Asymmetric, Blocks, Tag, mirrors
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))

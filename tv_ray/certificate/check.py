@@ -136,7 +136,8 @@ def check_certificate(out: str | Path, sample: int | None = None, solvers: tuple
         raise CertificateError(f"{plan_path}: {e}") from None
     reduction, _, _, part, _ = obligations_of(plan, manifest["settings"].get("seed", 0),
                                               manifest.get("claims_dropped", []),
-                                              manifest["settings"].get("symmetry", True))
+                                              manifest["settings"].get("symmetry", True),
+                                              bool(manifest["stage_dag"].get("shards")))
     if reduction.reduced != manifest["reduction"]["reduced"]:
         raise CertificateError(f"reduced dims {reduction.reduced} differ from the certificate's "
                                f"{manifest['reduction']['reduced']}")

@@ -165,7 +165,7 @@ def write_certificate(outcome: Outcome, out: str | Path, plan_path: str | Path |
         "symmetry": {"mirrored": part.mirrored, "moved": part.moved, "accumulated": part.accumulated,
                      "notes": part.symmetry},
         "stage_dag": {"stages": part.dag.number_of_nodes() - len(part.boundary), "boundary": len(part.boundary),
-                      "edges": part.dag.number_of_edges()},
+                      "edges": part.dag.number_of_edges(), "shards": part.shards},
         "composition": {"checked": True, "problems": outcome.problems,
                         "outputs": sorted(name for name, _ in outcome.plan.logical.outputs)},
         "obligations": {"file": TABLE, "sha256": sha256_file(out / TABLE)},

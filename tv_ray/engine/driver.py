@@ -26,7 +26,8 @@ from tv_ray.engine.solve import Budget, Verdict
 from tv_ray.errors import CommunicationError
 from tv_ray.partition.claims import (Claim, ConcreteRun, group_value, infer_claims, input_claims, interior_claims,
                                     output_claims, runs_for)
-from tv_ray.partition.stages import Obligation, Partition, claim_id, partition
+from tv_ray.partition.generate import partition
+from tv_ray.partition.stages import Obligation, Partition, claim_id
 from tv_ray.partition.symmetry import Mirrors, find_mirrors
 from tv_ray.plan import Plan
 from tv_ray.reduce import Reduction, reduce_plan
@@ -142,16 +143,16 @@ def output_deviations(plan: Plan, runs: list[ConcreteRun]) -> list[dict]:
     return sorted(out, key=lambda d: -d["max_abs_dev"])
 
 
-def obligations_of(plan: Plan, seed: int = 0, dropped: Iterable[tuple[int, str]] = (), symmetry: bool = True
-                   ) -> tuple[Reduction, list[ConcreteRun], dict, Partition, dict[str, str]]:
+def obligations_of(plan: Plan, seed: int = 0, dropped: Iterable[tuple[int, str]] = (), symmetry: bool = True,
+                   shards: bool | None = None) -> tuple[Reduction, list[ConcreteRun], dict, Partition, dict[str, str]]:
     """Reduce, claim (without the `dropped` guesses), partition and key: everything before solving (the
-    checker re-runs exactly this)."""
+    checker re-runs exactly this, with the certificate's `shards`)."""
     reduction = reduce_plan(plan)
     found, notes = find_mirrors(plan, reduction.reduced, symmetry)
     runs, claims = claims_for(plan, reduction.reduced, seed, _unmirrored(plan, found))
     for key in dropped:
         claims.pop(tuple(key), None)
-    part = partition(plan, reduction.reduced, claims, found or (symmetry and not notes))
+    part = partition(plan, reduction.reduced, claims, found or (symmetry and not notes), shards=shards)
     part.symmetry = notes + part.symmetry
     return reduction, runs, claims, part, {o.id: o.key for o in part.obligations}
 
@@ -222,7 +223,7 @@ def _solve(part: Partition, budget: Budget, executor: Executor, verdicts: dict[s
 
 def verify_plan(plan: Plan, *, budget: Budget = Budget(), executor: Executor | None = None,
                 progress: bool | None = None, seed: int = 0, symmetry: bool = True,
-                checkpoint: Checkpoint | None = None) -> Outcome:
+                checkpoint: Checkpoint | None = None, shards: bool | None = None) -> Outcome:
     """Run the whole verification of `plan`; never raises on a failed proof (see `Outcome.status`).
 
     When some program output is wrong in the concrete runs, the plan has a
@@ -234,7 +235,9 @@ def verify_plan(plan: Plan, *, budget: Budget = Budget(), executor: Executor | N
     `REFINE_ROUNDS` times. Boundary claims are never dropped.
 
     With a `checkpoint`, keys it holds verdicts for are not solved again and every new verdict is streamed
-    to it (flushed on the way out, whatever ends the run).
+    to it (flushed on the way out, whatever ends the run). `shards`: generate the stages one pipeline stage
+    per shard (True), whole (False) or by size (None; `tv_ray.partition.generate`); an executor that can
+    `map` work (Ray) runs the shards in parallel.
     """
     phases: dict[str, float] = Counter()
     t = time.perf_counter()
@@ -255,9 +258,13 @@ def verify_plan(plan: Plan, *, budget: Budget = Budget(), executor: Executor | N
     verdicts: dict[str, Verdict] = dict(checkpoint.verdicts) if checkpoint is not None else {}
     loaded = set(verdicts)
     dropped: list[tuple[int, str]] = []
+    # shards go to the executor's workers (Ray tasks, or processes) when it has more than one
+    generation = {"generate": executor.map, "groups": executor.width()} \
+        if hasattr(executor, "map") and executor.width() > 1 else {}
     for _ in range(REFINE_ROUNDS):
         t = time.perf_counter()
-        part = partition(plan, reduction.reduced, claims, found or (symmetry and not notes), progress=show)
+        part = partition(plan, reduction.reduced, claims, found or (symmetry and not notes), progress=show,
+                         shards=shards, **generation)
         part.symmetry = notes + part.symmetry
         phases["partition"] += time.perf_counter() - t
         t = time.perf_counter()

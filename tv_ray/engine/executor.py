@@ -20,7 +20,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import multiprocessing
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Protocol
+from typing import Callable, Iterable, Iterator, Protocol
 
 from tv_ray.engine.solve import Budget, Verdict, solve
 from tv_ray.terms import from_table, to_table
@@ -80,6 +80,19 @@ class LocalExecutor:
             pending.add(self._pool.submit(solve_batch, batch, budget))
         for f in cf.as_completed(pending):
             yield from f.result()
+
+    def width(self) -> int:
+        """How many generation jobs run at once: the worker processes."""
+        return self.jobs
+
+    def map(self, fn: Callable, jobs: list[tuple]) -> Iterator[tuple[int, object]]:
+        """`fn(*job)` for each job in the worker processes (forked: the arguments are not copied), yielding
+        (job index, result) as each finishes."""
+        if self._pool is None:
+            self._pool = cf.ProcessPoolExecutor(self.jobs, mp_context=multiprocessing.get_context("fork"))
+        futures = {self._pool.submit(fn, *job): i for i, job in enumerate(jobs)}
+        for f in cf.as_completed(futures):
+            yield futures[f], f.result()
 
     def close(self) -> None:
         if self._pool is not None:

@@ -136,8 +136,8 @@ class RayExecutor:
         self._gcs_checked = 0.0
 
     # -- cluster and actors ------------------------------------------------------------------------
-    def _start(self) -> None:
-        if self._shards:
+    def _connect(self) -> None:
+        if self._gcs is not None:
             return
         if not ray.is_initialized():
             os.environ.setdefault("RAY_gcs_rpc_server_reconnect_timeout_s", str(DRIVER_RECONNECT_S))
@@ -151,6 +151,11 @@ class RayExecutor:
                     from None
         host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
         self._gcs = host, int(port)
+
+    def _start(self) -> None:
+        if self._shards:
+            return
+        self._connect()
         cpus = int(ray.cluster_resources().get("CPU", 1))
         # one CPU stays with the driver (stage generation) unless the cluster has only one
         n = self.actors or max(1, int((cpus - 1 if cpus > 1 else cpus) / self.cpus_per_actor))
@@ -167,6 +172,32 @@ class RayExecutor:
             except Exception:  # noqa: BLE001 — an actor already gone needs no killing
                 pass
         self._shards = []      # a local Ray this started stays up for the next run (Ray stops it at exit)
+
+    # -- stage generation ------------------------------------------------------------------------
+    def width(self) -> int:
+        """How many generation jobs run at once: the cluster's CPUs."""
+        self._connect()
+        return max(1, int(ray.cluster_resources().get("CPU", 1)))
+
+    def map(self, fn: Callable, jobs: list[tuple]) -> Iterator[tuple[int, object]]:
+        """`fn(*job)` for each job as a Ray task of one CPU, yielding (job index, result) as each finishes.
+        Solver actors (idle between phases) are let go first, so the tasks get every CPU."""
+        self._connect()
+        self.close()
+        task = ray.remote(num_cpus=1, max_retries=2)(fn)
+        shared: dict[int, object] = {}          # an argument every job has (the plan, the claims) is put once
+        for job in jobs:
+            for a in job:
+                if id(a) not in shared:
+                    shared[id(a)] = ray.put(a)
+        refs = {task.remote(*[shared[id(a)] for a in job]): i for i, job in enumerate(jobs)}
+        while refs:
+            done, _ = ray.wait(list(refs), num_returns=1)
+            i = refs.pop(done[0])
+            try:
+                yield i, ray.get(done[0])
+            except ray.exceptions.RayError as err:
+                raise EngineError(f"stage generation job {i + 1} of {len(jobs)} failed: {_first_line(err)}") from None
 
     # -- solving ---------------------------------------------------------------------------------
     def run(self, batches: Iterable[list[SolveTask]], budget: Budget) -> Iterator[tuple[str, Verdict]]:

@@ -76,16 +76,16 @@ def formula_key(lhs: list[Term], rhs: list[Term], order: Mapping[str, int] | Non
         roots += [left, right]
     nodes = postorder(*roots)
     relative = relative_names((n.payload for n in nodes if n.kind is Kind.VAR), order or {})
-    first = _digests(nodes, relative.__getitem__)
+    first = content_digests(nodes, relative.__getitem__)
     alpha = _first_occurrence(roots, first, relative)
-    final = _digests(nodes, alpha.__getitem__)
+    final = content_digests(nodes, alpha.__getitem__)
     h = hashlib.sha256(KEY_VERSION + len(roots).to_bytes(8, "big"))
     for r in roots:
         h.update(final[r])
     return h.hexdigest()
 
 
-def _digests(nodes: list[Term], name_of) -> dict[Term, bytes]:
+def content_digests(nodes: list[Term], name_of) -> dict[Term, bytes]:
     """Each node's SHA-256 over its kind, payload (variables named by `name_of`) and children, summands and
     factors sorted."""
     digest: dict[Term, bytes] = {}

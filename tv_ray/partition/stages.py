@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import gc
-import sys
+import hashlib
 from array import array
 from collections import Counter
 from dataclasses import dataclass, field
@@ -40,18 +40,20 @@ import numpy as np
 from tqdm import tqdm
 
 from tv_ray.errors import TvRayError
-from tv_ray.execute import Scheduler
+from tv_ray.execute import TOKEN, Scheduler
 from tv_ray.ir import Node, Op
+from tv_ray.ir.ops import COLLECTIVES
 from tv_ray.partition.claims import Claim
-from tv_ray.partition.keys import formula_key
+from tv_ray.partition.keys import content_digests, formula_key
 from tv_ray.partition.logical import LogicalTerms, atom_name, atoms
-from tv_ray.partition.symmetry import SLOT_RE, Asymmetric, Mirrors, Moves, find_mirrors, microbatch_moves
+from tv_ray.partition.symmetry import SLOT_RE, Asymmetric, Mirrors, Moves
 from tv_ray.plan import Plan
 from tv_ray.semantics.symbolic import as_dtype, eval_symbolic, group_rule
 from tv_ray.semantics.table import instantiate_shape
 from tv_ray.terms import Kind, Term, postorder, substitute, sum_
 
 BAR_STEP = 4096              # ops stepped between progress bar updates
+REPLAY_DEPTH = 4             # ops a pipeline shard re-runs to rebuild a value another shard sends uncut
 EXPAND_ROUNDS = 24
 EXPAND_GROWTH, EXPAND_SLACK = 3, 1000      # stop unfolding past 3x the formula's size + 1000 nodes
 
@@ -95,6 +97,7 @@ class Partition:
     mirrors: "Mirrors | None" = None
     moved: int = 0                  # recorded stages of microbatches k > 0 taken from microbatch 0's (one key)
     accumulated: int = 0            # gradient accumulation stages proved as microbatch 0's contribution
+    shards: int = 0                 # pipeline shards the stages were generated in (0: one run)
 
     @property
     def mirrored(self) -> int:
@@ -189,6 +192,32 @@ class Accumulated:
 LAZY = (Moved, Accumulated)
 
 
+class Unshardable(TvRayError):
+    """A pipeline shard cannot stand for the whole run here (a value crossing shards is not a claim's
+    continuation, or not the one the other shard sent); the run is then made whole."""
+
+
+def fingerprint(value, reads) -> tuple:
+    """What a value crossing shards is, comparable across processes: its kind (`Mirrored`, `Moved`, ...), shape,
+    the stages it was cut at, and a digest of its terms (variables by name)."""
+    reads = tuple(sorted(reads))
+    if isinstance(value, Mirrored):
+        return "mirrored", value.same, value.shape, reads
+    if isinstance(value, Moved):
+        return "moved", value.k, _digest(value.base), reads
+    if isinstance(value, Accumulated):
+        return "accumulated", tuple(sorted(value.ks)), _digest(value.base), reads
+    return "terms", _digest(value), reads
+
+
+def _digest(value: np.ndarray) -> tuple:
+    flat = value.reshape(-1).tolist()
+    terms = [t for t in flat if isinstance(t, Term)]
+    digests = content_digests(postorder(*terms), str)
+    return value.shape, hashlib.sha256(b"".join(digests[t] if isinstance(t, Term) else repr(t).encode()
+                                                for t in flat)).hexdigest()
+
+
 class SymbolicRun(Scheduler):
     """The scheduler on object arrays of terms, cutting at claims and recording obligations.
 
@@ -215,8 +244,9 @@ class SymbolicRun(Scheduler):
 
     def __init__(self, plan: Plan, dims: dict[str, int], logical: LogicalTerms,
                  claims: dict[tuple[int, str], Claim], mirrors: Mirrors | None = None, moves: Moves | None = None,
-                 bar: tqdm | None = None):
+                 bar: tqdm | None = None, owned: frozenset[int] | None = None):
         self.logical, self.claims, self.mirrors, self.moves, self.bar = logical, claims, mirrors, moves, bar
+        self.owned = owned          # the ranks this run steps (a pipeline shard); None: every rank
         self._stepped = 0
         self.mirrored = mirrors.rep if mirrors else {}
         # microbatch 0's values per rank (`moves`): op and collective results by (op, arguments), continuations
@@ -239,8 +269,15 @@ class SymbolicRun(Scheduler):
         self._received: frozenset[str] = frozenset()
         self.boundary: dict[str, Claim] = {}
         self._shapes: dict[int, tuple[int, ...]] = {}     # id(node) -> its shape at dims (nodes live in the plan)
+        # values crossing to or from ranks another shard owns: (src, dst, tag, n) -> `fingerprint`
+        self.sent: dict[tuple, tuple] = {}
+        self.assumed: dict[tuple, tuple] = {}
+        self._crossed: Counter = Counter()
+        self._sends: dict[int, dict] = {}
         rank_inputs = self._inputs(plan)
         super().__init__(plan, dims, rank_inputs, keep=False)
+        if owned is not None:
+            self.active = [self.ranks[r] for r in sorted(owned)]
         self._nodes = {name: {n.name: n for n in g.nodes} for name, g in plan.programs.items()}
 
     def run(self):
@@ -265,7 +302,7 @@ class SymbolicRun(Scheduler):
     def _inputs(self, plan: Plan) -> list[dict[str, np.ndarray]]:
         inputs: list[dict[str, np.ndarray]] = [{} for _ in range(plan.num_ranks)]
         names, ids = plan.rank_programs()
-        for rank in range(plan.num_ranks):
+        for rank in range(plan.num_ranks) if self.owned is None else sorted(self.owned):
             for spec in plan.programs[names[ids[rank]]].inputs:
                 claim = self._claim(rank, spec.name)
                 if claim is None:
@@ -531,6 +568,82 @@ class SymbolicRun(Scheduler):
     def receive_extra(self, extra):
         self._received = extra
 
+    # -- a pipeline shard: the other shards' ranks are never stepped -----------------------------
+    def _send(self, state, node: Node) -> bool:
+        dst = self._peer(state, node)
+        if self.owned is None or dst in self.owned:
+            return super()._send(state, node)
+        where = self._crossing(state.rank, dst, node.attr.get("tag", 0))
+        self.sent[where] = fingerprint(state.env[node.args[0]], self.send_extra(state, node))
+        self._advance(state, node, TOKEN)
+        return True
+
+    def _recv(self, state, node: Node) -> bool:
+        src = self._peer(state, node)
+        if self.owned is None or src in self.owned:
+            return super()._recv(state, node)
+        where = self._crossing(src, state.rank, node.attr.get("tag", 0))
+        value, reads = self._sent_by(*where)
+        if value.shape != instantiate_shape(node.attr["size"], self.dims):
+            raise Unshardable(f"{self.plan.describe(state.rank)} at {state.where()} expects shape "
+                              f"{node.attr['size']} from rank {src}, which sends {value.shape}")
+        self.assumed[where] = fingerprint(value, reads)
+        self._received = reads
+        self._advance(state, node, value)
+        return True
+
+    def _crossing(self, src: int, dst: int, tag: int) -> tuple[int, int, int, int]:
+        n = self._crossed[src, dst, tag]
+        self._crossed[src, dst, tag] += 1
+        return src, dst, tag, n
+
+    def _sent_by(self, src: int, dst: int, tag: int, n: int):
+        """(value, reads) of the n-th send from `src` to `dst` with `tag`, without running `src`: a sent value
+        is cut at its claim, so it is that claim's continuation (a mirrored rank's: `Mirrored`). The shard
+        that runs `src` fingerprints what it actually sends; `tv_ray.partition.generate` compares the two."""
+        sends = self._sends.get(src)
+        if sends is None:
+            sends = self._sends[src] = {}
+            peer = self.ranks[src]
+            for node in peer.program.nodes:
+                if node.op == Op.SEND:
+                    sends.setdefault((self._peer(peer, node), node.attr.get("tag", 0)), []).append(node.args[0])
+        names = sends.get((dst, tag), [])
+        if n >= len(names):
+            raise Unshardable(f"{self.plan.describe(dst)} receives send #{n + 1} from rank {src} (tag {tag}), "
+                              f"which sends {len(names)}")
+        return self._value_of(src, names[n], 0)
+
+    def _value_of(self, src: int, tensor: str, depth: int):
+        """(value, reads) of `tensor` on `src` at the point it is sent: a claim's continuation where it is cut
+        there, else its op on its arguments' (a view of a cut value; at most `REPLAY_DEPTH` ops deep)."""
+        claim = self._claim(src, tensor)
+        node = self._nodes[self.ranks[src].name].get(tensor)
+        if node is None:                     # a program input: its boundary claim
+            if claim is None:
+                raise Unshardable(f"{self.plan.describe(src)} sends its input {tensor}, which has no lineage")
+            value = Mirrored(claim.shape) if src in self.mirrored else self._continuation(src, claim)
+            return value, frozenset({boundary_id(src, tensor)})
+        if claim is not None and node.dtype == "float":
+            members = self.members(src, claim.partial)
+            cid = claim_id(members, tensor)
+            if src in self.mirrored and (not claim.partial or all(m in self.mirrored for m in members)):
+                return Mirrored(claim.shape), frozenset({cid})
+            value = self._part(src, members, claim, cid) if claim.partial else self._continuation(src, claim)
+            return value, frozenset({cid})
+        if depth >= REPLAY_DEPTH or node.op in COLLECTIVES or node.op in (Op.SEND, Op.RECV):
+            raise Unshardable(f"{self.plan.describe(src)} sends {tensor}, which is not cut at a claim")
+        args = [self._value_of(src, a, depth + 1) for a in node.args]
+        noted = len(self.notes)
+        try:
+            value = self.evaluate(self.ranks[src], node, [v for v, _ in args])
+        except (TvRayError, ArithmeticError, ValueError, IndexError, TypeError) as err:
+            raise Unshardable(f"{self.plan.describe(src)} sends {tensor}, which fails there: {err}") from None
+        if len(self.notes) != noted:
+            raise Unshardable(f"{self.plan.describe(src)} sends {tensor}, which has no symbolic rule")
+        return value, frozenset().union(*(r for _, r in args))
+
+
     # -- cuts -----------------------------------------------------------------------------------
     def _advance(self, state, node: Node, value) -> None:
         key = (state.rank, node.name)
@@ -595,6 +708,11 @@ class SymbolicRun(Scheduler):
                 self._remember(members, node, claim, values)
         if copied and isinstance(value, Mirrored):
             return Mirrored(claim.shape)
+        return self._part(rank, members, claim, cid)
+
+    def _part(self, rank: int, members, claim: Claim, cid: str):
+        """What group member `rank` continues from after a partial claim: fresh atoms, or (the last member) the
+        slice minus the others' — microbatch 0's part moved, where there is one."""
         position = members.index(rank)
         moved = self._moved_part(rank, claim, cid, position)
         if moved is not None:
@@ -757,52 +875,5 @@ def expand(lhs: list[Term], rhs: list[Term], logical: LogicalTerms) -> tuple[lis
     return lhs, rhs
 
 
-def partition(plan: Plan, dims: dict[str, int], claims: dict[tuple[int, str], Claim],
-              symmetry: "bool | Mirrors" = True, progress: bool = False) -> Partition:
-    """Run the plan symbolically with cuts at `claims`; the obligations and the stage DAG.
-
-    With `symmetry` (True, or the plan's `mirrors` already found), the logical graph is built for one block
-    of samples and dp ranks are mirrored where `tv_ray.partition.symmetry` shows it sound (their claims
-    are their representatives', moved, whatever `claims` holds for them); where it cannot, the note says
-    why and every rank runs in full. Mirrored stages are kept compactly (`Partition.copy`); the stage DAG
-    holds the recorded ones, whose composition the mirrored ones repeat under renaming. With `progress`, a
-    bar on stderr counts the ops stepped through (every rank's program), the stages and the unique keys."""
-    found, notes = (symmetry, []) if isinstance(symmetry, Mirrors) else find_mirrors(plan, dims, symmetry)
-    moves = microbatch_moves(plan, dims, found, bool(symmetry))
-    logical = LogicalTerms.build(plan.logical, dims, moves.blocks if moves else found.blocks if found else None)
-    copies = np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32)
-    names, ids = plan.rank_programs()
-    total = sum(len(plan.programs[names[i]].nodes) for i in ids)
-    bar = tqdm(total=total, disable=not progress, unit="op", desc="generating", file=sys.stderr, dynamic_ncols=True)
-    try:
-        run = SymbolicRun(plan, dims, logical, claims, found, moves, bar)
-        run.run()
-        copies = run.resolve_copies()
-    except Asymmetric as why:
-        notes.append(f"symmetry: {why}; every rank run in full")
-        have = {r for r, _ in claims}
-        if found and any(rank not in have for rank in found.rep):
-            raise TvRayError(f"data-parallel symmetry failed during the run ({why}) and the claims of the mirrored "
-                             f"ranks were never built; run with --no-symmetry") from None
-        found = None
-        bar.reset()
-        run = SymbolicRun(plan, dims, logical, claims, bar=bar)
-        run.run()
-    finally:
-        bar.close()
-    for cid, parts in run.pending.items():
-        run.notes.append(f"{cid}: partial claim produced on ranks {sorted(parts)} only")
-    dag = nx.DiGraph()
-    for cid in run.boundary:
-        dag.add_node(cid, kind="boundary")
-    for ob in run.obligations:
-        dag.add_node(ob.id, kind="obligation")
-        for src in ob.reads:
-            dag.add_edge(src, ob.id)
-    return Partition(run.obligations, run.boundary, dag, run.notes, run.formulas,
-                     notes + (found.notes if found else []), copies[0], copies[1], found, run.moved,
-                     run.accumulated)
-
-
-__all__ = ["Obligation", "Partition", "LogicalTerms", "SymbolicRun", "partition", "expand", "atoms",
+__all__ = ["Obligation", "Partition", "LogicalTerms", "SymbolicRun", "Unshardable", "fingerprint", "expand", "atoms",
            "atom_name", "boundary_id", "claim_id", "Mirrored"]

@@ -1,0 +1,97 @@
+"""Pipeline shards (`tv_ray.partition.generate`): each pipeline stage's ranks run apart, rebuilding what the other
+stages send them from the senders' claims — the same stages, keys and DAG as the whole run, or no shards at all."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from tests.engine.mutants import MUTANTS
+from tv_ray import api
+from tv_ray.engine.driver import claims_for, verify_plan
+from tv_ray.engine.executor import LocalExecutor
+from tv_ray.partition.generate import merge, partition, pipeline_shards, run_shards
+from tv_ray.partition.stages import Unshardable
+from tv_ray.partition.symmetry import find_mirrors, microbatch_moves
+from tv_ray.reduce import reduce_plan
+
+
+def _stages(part) -> list:
+    return sorted((o.id, o.ranks, o.key, o.reads, o.claim.logical) for o in part.every())
+
+
+@pytest.fixture(scope="module")
+def pipelined(claimed):
+    return claimed("dp=2,tp=2,pp=2,mb=2")          # dp mirrored, microbatch 1 moved from microbatch 0
+
+
+def test_shards_give_the_stages_of_the_whole_run(pipelined):
+    plan, dims, claims = pipelined
+    whole = partition(plan, dims, claims, shards=False)
+    sharded = partition(plan, dims, claims, shards=True)
+    assert (whole.shards, sharded.shards) == (0, 2)
+    assert sharded.mirrored > 2000 and sharded.moved > 700 and sharded.accumulated > 30
+    assert _stages(sharded) == _stages(whole)
+    assert set(sharded.formulas) == set(whole.formulas) and sharded.boundary.keys() == whole.boundary.keys()
+    assert (sharded.mirrored, sharded.moved, sharded.accumulated, sharded.notes) == \
+        (whole.mirrored, whole.moved, whole.accumulated, whole.notes)
+    workers = LocalExecutor(jobs=2)
+    try:                                          # each shard in its own worker process: the same stages
+        apart = partition(plan, dims, claims, shards=True, generate=workers.map, groups=workers.width())
+    finally:
+        workers.close()
+    assert [(o.id, o.key, o.position) for o in apart.obligations] == \
+        [(o.id, o.key, o.position) for o in sharded.obligations]
+    assert (apart.copy_ranks.tolist(), apart.copy_of.tolist()) == (sharded.copy_ranks.tolist(),
+                                                                   sharded.copy_of.tolist())
+    position = {o.id: o.position for o in sharded.obligations}
+    assert [o.position for o in sharded.obligations] == list(range(len(sharded.obligations)))
+    assert all(position[r] < position[o.id] for o in sharded.obligations for r in o.reads if r in position)
+
+
+def test_a_value_sent_uncut_is_rebuilt_by_replaying_its_ops():
+    """GPT-2's stage 1 sends t_12, a transpose no claim cuts: the receiving shard re-runs it on its cut input."""
+    plan = api.parallelize(api.capture_step("gpt2-tiny", optim="adamw", clip=1.0), "tp=2,pp=2,mb=2",
+                           model="gpt2-tiny", zero=0)
+    dims = reduce_plan(plan).reduced
+    claims = claims_for(plan, dims)[1]
+    assert (3, "t_12@0") not in claims
+    whole, sharded = (partition(plan, dims, claims, shards=s) for s in (False, True))
+    assert sharded.shards == 2 and _stages(sharded) == _stages(whole)
+
+
+def test_a_sent_value_unlike_what_its_receiver_rebuilt_is_refused(pipelined):
+    plan, dims, claims = pipelined
+    found, _ = find_mirrors(plan, dims, True)
+    moves = microbatch_moves(plan, dims, found, True)
+    runs = run_shards(plan, dims, claims, found, moves, moves.blocks, pipeline_shards(plan, claims))
+    where = min(runs[0].sent)
+    assert where == (0, 4, 16, 0) and runs[0].sent[where] == runs[1].assumed[where]
+    runs[0].sent[where] = ("terms", ((1,), "0" * 64), ())
+    with pytest.raises(Unshardable, match=r"^send #1 from rank 0 to rank 4 \(tag 16\) is not the continuation "
+                                          r"of its claim that the receiving shard rebuilt$"):
+        merge(runs)
+    del runs[0].sent[where]
+    with pytest.raises(Unshardable, match=r"^send #1 from rank 0 to rank 4 \(tag 16\) was received but never "
+                                          r"sent$"):
+        merge(runs)
+
+
+def test_a_collective_across_pipeline_stages_keeps_the_run_whole(pipelined):
+    plan, dims, claims = pipelined
+    assert len(pipeline_shards(plan, claims)) == 2
+    key = next(k for k, c in claims.items() if c.partial)
+    assert pipeline_shards(plan, {**claims, key: replace(claims[key], partial=("pp",))}) is None
+    flat = api.parallelize(api.capture_step("llama3-tiny", optim="adamw", clip=1.0), "dp=2,tp=2", model="llama3-tiny")
+    assert pipeline_shards(flat, {}) is None
+
+
+@pytest.mark.parametrize("name", ["A6", "A11"])
+def test_a_bug_is_refuted_at_the_same_stages_with_and_without_shards(name, pipelined):
+    mutant = MUTANTS[name](pipelined[0])
+    outcomes = [verify_plan(mutant.plan, progress=False, shards=s) for s in (False, True)]
+    refuted = [sorted(o.id for o in out.partition.every() if out.verdicts[o.key].verdict == "refuted")
+               for out in outcomes]
+    assert [o.status for o in outcomes] == ["refuted", "refuted"] and outcomes[1].partition.shards == 2
+    assert refuted[0] == refuted[1] and refuted[0]
+    assert not mutant.diagnosis_problems(outcomes[1].first_refuted())

@@ -1,0 +1,251 @@
+"""Stage generation: the plan run once symbolically (`SymbolicRun`), whole or one pipeline stage per shard.
+
+A run cut at claims needs nothing of another pipeline stage but the values
+it sends, and each of those is cut at a claim, so it is that claim's
+continuation: the ranks of one pipeline stage (with their mirrored dp
+images) can run apart from the others, rebuilding what the other stages send
+them from the senders' claims (`SymbolicRun._sent_by`). The shards run in
+parallel — a Ray task or worker process per group of shards, each group
+building the logical terms once — and are merged:
+
+- every value that crossed shards was fingerprinted twice, by the shard that
+  sent it (what it held) and by the shard that received it (what it
+  rebuilt); they must agree, else the run is made whole (`Unshardable`, a
+  note) — so a sharded run steps every rank exactly as the whole run would;
+- the stages are ordered by their depth in the stage DAG (then shard, then
+  execution order in the shard), so "first failing" is first in dataflow;
+- mirrored stages point at their representative's stage in the merged order.
+
+A plan is sharded when it has pipeline stages, no collective or partial claim
+spans them, and running it whole would step at least `SHARD_MIN` ops; the
+certificate records the shard count, so its checker re-derives the same stages.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import networkx as nx
+import numpy as np
+from tqdm import tqdm
+
+from tv_ray.errors import TvRayError
+from tv_ray.ir.ops import COLLECTIVES
+from tv_ray.partition.claims import Claim
+from tv_ray.partition.logical import LogicalTerms
+from tv_ray.partition.stages import Obligation, Partition, SymbolicRun, Unshardable
+from tv_ray.partition.symmetry import Asymmetric, Blocks, Mirrors, Moves, find_mirrors, microbatch_moves
+from tv_ray.plan import Plan
+from tv_ray.terms import from_table, to_table
+
+SHARD_MIN = 1_000_000       # ops stepped (every rank's program) from which a plan with pipeline stages is sharded
+AXIS = "pp"
+
+# Runs `fn(*job)` for each job, yielding (job index, result) as each finishes: `RayExecutor.map` (Ray tasks),
+# `LocalExecutor.map` (worker processes).
+Generate = Callable[[Callable, list[tuple]], Iterable[tuple[int, object]]]
+
+
+@dataclass
+class ShardRun:
+    """What one pipeline shard's run recorded; formulas as term tables (it may travel between processes)."""
+
+    obligations: list[Obligation]
+    formulas: dict[str, tuple[dict, int]]
+    copy_ranks: np.ndarray
+    copy_of: np.ndarray             # index into this shard's `obligations`
+    boundary: dict[str, Claim]
+    notes: list[str]
+    moved: int
+    accumulated: int
+    sent: dict[tuple, tuple]
+    assumed: dict[tuple, tuple]
+
+
+def ops_of(plan: Plan, ranks: Iterable[int]) -> int:
+    names, ids = plan.rank_programs()
+    return sum(len(plan.programs[names[ids[r]]].nodes) for r in ranks)
+
+
+def pipeline_shards(plan: Plan, claims: dict[tuple[int, str], Claim]) -> list[frozenset[int]] | None:
+    """The ranks of each pipeline stage, when no collective or partial claim joins two stages; else None."""
+    size = plan.axis_sizes.get(AXIS, 1)
+    if size < 2:
+        return None
+    names, ids = plan.rank_programs()
+    for name in {names[i] for i in ids}:
+        if any(node.op in COLLECTIVES and AXIS in node.attr["axes"] for node in plan.programs[name].nodes):
+            return None
+    if any(AXIS in claim.partial for claim in claims.values()):
+        return None
+    stage = [plan.coords(r)[AXIS] for r in range(plan.num_ranks)]
+    return [frozenset(r for r in range(plan.num_ranks) if stage[r] == s) for s in range(size)]
+
+
+def run_shards(plan: Plan, dims: dict[str, int], claims: dict[tuple[int, str], Claim], mirrors: Mirrors | None,
+               moves: Moves | None, blocks: Blocks | None, shards: list[frozenset[int]],
+               logical: LogicalTerms | None = None, bar: tqdm | None = None) -> list[ShardRun]:
+    """Run each shard apart (one logical graph for all of them)."""
+    if logical is None:
+        logical = LogicalTerms.build(plan.logical, dims, blocks)
+    out = []
+    for owned in shards:
+        run = SymbolicRun(plan, dims, logical, claims, mirrors, moves, bar, owned=owned)
+        run.run()
+        ranks, reps = run.resolve_copies()
+        notes = run.notes + _incomplete(run.pending)
+        formulas = {key: (to_table(*lhs, *rhs), len(lhs)) for key, (lhs, rhs) in run.formulas.items()}
+        out.append(ShardRun(run.obligations, formulas, ranks, reps, run.boundary, notes, run.moved, run.accumulated,
+                            run.sent, run.assumed))
+    return out
+
+
+def merge(runs: list[ShardRun], mirrors: Mirrors | None = None, symmetry: list[str] | None = None) -> Partition:
+    """One partition from the shards' stages (see the module docstring); `Unshardable` when a value crossing
+    shards is not what its receiver rebuilt."""
+    sent = {k: v for run in runs for k, v in run.sent.items()}
+    assumed = {k: v for run in runs for k, v in run.assumed.items()}
+    for where in sorted(sent.keys() ^ assumed.keys())[:1]:
+        raise Unshardable(f"send #{where[3] + 1} from rank {where[0]} to rank {where[1]} (tag {where[2]}) was "
+                          f"{'never received' if where in sent else 'received but never sent'}")
+    for where in [w for w in sorted(sent) if sent[w] != assumed[w]][:1]:
+        raise Unshardable(f"send #{where[3] + 1} from rank {where[0]} to rank {where[1]} (tag {where[2]}) is not "
+                          f"the continuation of its claim that the receiving shard rebuilt")
+    tagged = [(s, i, ob) for s, run in enumerate(runs) for i, ob in enumerate(run.obligations)]
+    depth = _depths([ob for _, _, ob in tagged])
+    tagged.sort(key=lambda t: (depth[t[2].id], t[0], t[1]))
+    where = [np.zeros(len(run.obligations), dtype=np.int32) for run in runs]    # shard, index -> merged index
+    obligations = []
+    for n, (s, i, ob) in enumerate(tagged):
+        where[s][i] = ob.position = n
+        obligations.append(ob)
+    formulas: dict[str, tuple] = {}
+    for run in runs:
+        for key, (table, left) in run.formulas.items():
+            if key not in formulas:
+                roots = from_table(table)
+                roots = roots if isinstance(roots, tuple) else (roots,)
+                formulas[key] = (list(roots[:left]), list(roots[left:]))
+    copies = (np.concatenate([run.copy_ranks for run in runs]).astype(np.int32),
+              np.concatenate([where[s][run.copy_of] for s, run in enumerate(runs)]).astype(np.int32))
+    part = _assemble(obligations, {cid: c for run in runs for cid, c in run.boundary.items()},
+                     [note for run in runs for note in run.notes], formulas, symmetry or [], copies, mirrors,
+                     sum(r.moved for r in runs), sum(r.accumulated for r in runs))
+    part.shards = len(runs)
+    return part
+
+
+def _depths(obligations: list[Obligation]) -> dict[str, int]:
+    """Each stage's depth in the stage DAG: 1 + the deepest stage it reads (a boundary input is 0)."""
+    ids = {ob.id for ob in obligations}
+    readers: dict[str, list[Obligation]] = {}
+    waiting = {}
+    ready = []
+    for ob in obligations:
+        inner = [r for r in set(ob.reads) if r in ids]
+        waiting[ob.id] = len(inner)
+        for r in inner:
+            readers.setdefault(r, []).append(ob)
+        if not inner:
+            ready.append(ob)
+    depth = {}
+    byid = {ob.id: ob for ob in obligations}
+    while ready:
+        ob = ready.pop()
+        depth[ob.id] = 1 + max((depth.get(r, 0) for r in ob.reads), default=0)
+        for reader in readers.get(ob.id, ()):
+            waiting[reader.id] -= 1
+            if waiting[reader.id] == 0:
+                ready.append(reader)
+    if len(depth) != len(byid):
+        stuck = sorted(set(byid) - set(depth))[:3]
+        raise TvRayError(f"the stage DAG has a cycle through {', '.join(stuck)}")
+    return depth
+
+
+def partition(plan: Plan, dims: dict[str, int], claims: dict[tuple[int, str], Claim],
+              symmetry: "bool | Mirrors" = True, progress: bool = False, shards: bool | None = None,
+              generate: Generate | None = None, groups: int = 1) -> Partition:
+    """Run the plan symbolically with cuts at `claims`; the obligations and the stage DAG.
+
+    With `symmetry` (True, or the plan's `mirrors` already found), the logical graph is built for one block
+    of samples and dp ranks are mirrored where `tv_ray.partition.symmetry` shows it sound (their claims
+    are their representatives', moved, whatever `claims` holds for them); where it cannot, the note says
+    why and every rank runs in full. Mirrored stages are kept compactly (`Partition.copy`); the stage DAG
+    holds the recorded ones, whose composition the mirrored ones repeat under renaming.
+
+    `shards`: run one shard per pipeline stage (True), whole (False), or decide by size (None, `SHARD_MIN`);
+    the shards go to `generate` in `groups` jobs (default: in this process, one job). With `progress`, a bar
+    on stderr counts the ops stepped through (every rank's program), the stages and the unique keys."""
+    found, notes = (symmetry, []) if isinstance(symmetry, Mirrors) else find_mirrors(plan, dims, symmetry)
+    moves = microbatch_moves(plan, dims, found, bool(symmetry))
+    blocks = moves.blocks if moves else found.blocks if found else None
+    total = ops_of(plan, range(plan.num_ranks))
+    split = pipeline_shards(plan, claims) if shards or (shards is None and total >= SHARD_MIN) else None
+    bar = tqdm(total=total, disable=not progress, unit="op", desc="generating", file=sys.stderr, dynamic_ncols=True)
+    try:
+        try:
+            return _run(plan, dims, claims, found, moves, blocks, notes, split, bar, generate, groups)
+        except Asymmetric as why:
+            notes.append(f"symmetry: {why}; every rank run in full")
+            have = {r for r, _ in claims}
+            if found and any(rank not in have for rank in found.rep):
+                raise TvRayError(f"data-parallel symmetry failed during the run ({why}) and the claims of the "
+                                 f"mirrored ranks were never built; run with --no-symmetry") from None
+            bar.reset()
+            return _run(plan, dims, claims, None, None, blocks, notes, split, bar, generate, groups)
+    finally:
+        bar.close()
+
+
+def _run(plan, dims, claims, found, moves, blocks, notes, split, bar, generate, groups) -> Partition:
+    """One generation with the given symmetry: sharded when `split`, and whole if the shards disagree."""
+    symmetry = notes + (found.notes if found else [])
+    if split is not None:
+        try:
+            return _sharded(plan, dims, claims, found, moves, blocks, split, bar, generate, groups, symmetry)
+        except Unshardable as why:
+            notes.append(f"pipeline shards: {why}; the run was made whole")
+            symmetry = notes + (found.notes if found else [])
+            bar.reset()
+    run = SymbolicRun(plan, dims, LogicalTerms.build(plan.logical, dims, blocks), claims, found, moves, bar)
+    run.run()
+    copies = run.resolve_copies()
+    run.notes += _incomplete(run.pending)
+    return _assemble(run.obligations, run.boundary, run.notes, run.formulas, symmetry, copies, found, run.moved,
+                     run.accumulated)
+
+
+def _sharded(plan, dims, claims, found, moves, blocks, split, bar, generate, groups, symmetry) -> Partition:
+    jobs = [split[g::groups] for g in range(min(groups, len(split)))]
+    runs: list[list[ShardRun] | None] = [None] * len(jobs)
+    if generate is None:
+        logical = LogicalTerms.build(plan.logical, dims, blocks)
+        for i, job in enumerate(jobs):
+            runs[i] = run_shards(plan, dims, claims, found, moves, blocks, job, logical, bar)
+    else:
+        for i, result in generate(run_shards, [(plan, dims, claims, found, moves, blocks, job) for job in jobs]):
+            runs[i] = result
+            bar.update(ops_of(plan, set().union(*jobs[i])))
+    by_shard = {owned: run for job, done in zip(jobs, runs) for owned, run in zip(job, done)}
+    return merge([by_shard[owned] for owned in split], found, symmetry)
+
+
+def _incomplete(pending: dict) -> list[str]:
+    return [f"{cid}: partial claim produced on ranks {sorted(parts)} only" for cid, parts in pending.items()]
+
+
+def _assemble(obligations, boundary, run_notes, formulas, symmetry, copies, found, moved, accumulated) -> Partition:
+    dag = nx.DiGraph()
+    for cid in boundary:
+        dag.add_node(cid, kind="boundary")
+    for ob in obligations:
+        dag.add_node(ob.id, kind="obligation")
+        for src in ob.reads:
+            dag.add_edge(src, ob.id)
+    return Partition(obligations, boundary, dag, run_notes, formulas, symmetry, copies[0], copies[1], found, moved,
+                     accumulated)
+
+
+__all__ = ["partition", "pipeline_shards", "run_shards", "merge", "ops_of", "ShardRun", "SHARD_MIN"]
