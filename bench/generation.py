@@ -5,8 +5,9 @@ stages (ids, keys, reads, mirrored copies).
     python bench/generation.py [--model llama3-8b] [--configs "dp=4,tp=8,pp=4,mb=8"] [--batch 512]
                                [--out bench/results/generation.json]
 
-Each config runs in its own process; rows (seconds, ratio, stages, unique keys, peak memory of this process)
-are appended to `--out`.
+Each config runs in its own process, its whole and its sharded generation each in a child of that (so their
+memory peaks do not add up); rows (seconds, ratio, stages, unique keys, peak memory of the driver) are merged
+into `--out`.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import argparse
 import hashlib
 import json
 import resource
+import subprocess
 import sys
 import time
 
@@ -21,17 +23,24 @@ from per_config import run_configs
 
 
 def digest(part) -> str:
-    """The stages a partition holds, mirrored ones expanded (id, ranks, key, reads), independent of their order
-    (a mirrored group stage is kept under whichever member of the group completed it last)."""
+    """The stages a partition holds, independent of their order: the recorded ones (id, ranks, key, reads), and
+    each mirrored one as (dp block of its rank, its representative's stage) — what `Partition.copy` expands it
+    from (a mirrored group stage is kept under whichever member completed the group, so not by rank)."""
+    import numpy as np
     h = hashlib.sha256()
-    for row in sorted(f"{o.id}|{o.ranks}|{o.key}|{','.join(o.reads)}" for o in part.every()):
-        h.update(row.encode())
+    rows = sorted((o.id, f"{o.ranks}|{o.key}|{','.join(o.reads)}") for o in part.obligations)
+    for cid, row in rows:
+        h.update(f"{cid}|{row}\n".encode())
+    if part.mirrored:
+        rank_of = {cid: n for n, (cid, _) in enumerate(rows)}
+        rep = np.asarray([rank_of[o.id] for o in part.obligations], dtype=np.int64)[part.copy_of]
+        block = np.asarray([part.mirrors.block[r] for r in part.copy_ranks.tolist()], dtype=np.int64)
+        h.update(np.sort(block * len(rows) + rep).tobytes())
     return h.hexdigest()
 
 
-def one(model: str, spec: str, batch: int) -> dict:
-    import gc
-
+def measure(model: str, spec: str, batch: int, mode: str) -> dict:
+    """One generation of the config's stages, `whole` (this process) or `sharded` (Ray tasks on every core)."""
     import tv_ray
     from tv_ray.engine.driver import _unmirrored, claims_for
     from tv_ray.engine.ray_executor import RayExecutor
@@ -43,25 +52,35 @@ def one(model: str, spec: str, batch: int) -> dict:
     dims = reduce_plan(plan).reduced
     found, notes = find_mirrors(plan, dims, True)
     claims = claims_for(plan, dims, 0, _unmirrored(plan, found))[1]
-    symmetry = found or not notes
+    generation, width = {"shards": False}, 1
+    if mode == "sharded":
+        executor = RayExecutor()
+        width = executor.width()
+        generation = {"shards": True, "generate": executor.map, "groups": width}
     started = time.perf_counter()
-    whole = partition(plan, dims, claims, symmetry, shards=False)
-    whole_s = time.perf_counter() - started
-    row = {"model": model, "parallel": spec, "batch": batch, "ranks": plan.num_ranks,
-           "ops": ops_of(plan, range(plan.num_ranks)), "stages": whole.size, "unique": len(whole.formulas)}
-    expected = digest(whole)
-    del whole
-    gc.collect()
-    executor = RayExecutor()
-    width = executor.width()
-    started = time.perf_counter()
-    sharded = partition(plan, dims, claims, symmetry, shards=True, generate=executor.map, groups=width)
-    sharded_s = time.perf_counter() - started
-    return {**row, "shards": sharded.shards, "ray_cpus": width, "whole_s": round(whole_s, 1),
-            "sharded_s": round(sharded_s, 1), "speedup": round(whole_s / sharded_s, 2),
-            "same_stages": digest(sharded) == expected and sharded.size == row["stages"],
-            "notes": sharded.symmetry[-1:], "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-                                                                    / 2 ** 20, 2)}
+    part = partition(plan, dims, claims, found or not notes, **generation)
+    seconds = time.perf_counter() - started
+    return {"ranks": plan.num_ranks, "ops": ops_of(plan, range(plan.num_ranks)), "stages": part.size,
+            "unique": len(part.formulas), "shards": part.shards, "cpus": width, "seconds": round(seconds, 1),
+            "digest": digest(part), "notes": part.symmetry[-1:],
+            "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20, 2)}
+
+
+def one(model: str, spec: str, batch: int) -> dict:
+    """The whole and the sharded generation, each in its own process (their peaks do not add up)."""
+    got = {}
+    for mode in ("whole", "sharded"):
+        child = subprocess.run([sys.executable, __file__, "--mode", mode, "--model", model, "--configs", spec,
+                                "--batch", str(batch)], capture_output=True, text=True, check=True)
+        got[mode] = json.loads(child.stdout.strip().splitlines()[-1])
+    whole, sharded = got["whole"], got["sharded"]
+    return {"model": model, "parallel": spec, "batch": batch, "ranks": whole["ranks"], "ops": whole["ops"],
+            "stages": whole["stages"], "unique": whole["unique"], "shards": sharded["shards"],
+            "ray_cpus": sharded["cpus"], "whole_s": whole["seconds"], "sharded_s": sharded["seconds"],
+            "speedup": round(whole["seconds"] / sharded["seconds"], 2),
+            "same_stages": whole["digest"] == sharded["digest"] and whole["stages"] == sharded["stages"],
+            "notes": sharded["notes"], "peak_rss_gib": {"whole": whole["peak_rss_gib"],
+                                                        "sharded_driver": sharded["peak_rss_gib"]}}
 
 
 def main() -> int:
@@ -71,7 +90,11 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--out", default="bench/results/generation.json")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)   # the per-config child
+    parser.add_argument("--mode", choices=("whole", "sharded"), help=argparse.SUPPRESS)   # its children
     args = parser.parse_args()
+    if args.mode:
+        print(json.dumps(measure(args.model, args.configs, args.batch, args.mode)), flush=True)
+        return 0
     if args.one:
         print(json.dumps(one(args.model, args.configs, args.batch)), flush=True)
         return 0
