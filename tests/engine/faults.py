@@ -49,3 +49,28 @@ def logs_pids(log: str):
             f.write(f"{os.getpid()} {len(tasks)}\n")
         return solve_batch(tasks, budget)
     return solve
+
+
+def slowed(seconds: float):
+    """Solves normally, each task `seconds` late: a run that lasts long enough to be cut short."""
+    def solve(tasks, budget):
+        time.sleep(seconds * len(tasks))
+        return solve_batch(tasks, budget)
+    return solve
+
+
+def cli_slowed(seconds: float, argv: list[str]) -> int:
+    """`tv-ray` with the Ray engine's solver actors `slowed`."""
+    from tv_ray import cli
+    from tv_ray.engine import executor
+    from tv_ray.engine.ray_executor import RayExecutor
+
+    def executor_for(engine, jobs=None, address=None):
+        assert engine == "ray", engine
+        return RayExecutor(actors=jobs, address=address, solve=slowed(seconds))
+    executor.executor_for = executor_for
+    return cli.main(argv)
+
+
+if __name__ == "__main__":                       # python faults.py SECONDS verify ...: `cli_slowed`
+    sys.exit(cli_slowed(float(sys.argv[1]), sys.argv[2:]))
