@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from functools import cache
 from typing import Callable, Iterable
 
 import networkx as nx
@@ -37,7 +38,7 @@ from tv_ray.partition.logical import LogicalTerms
 from tv_ray.partition.stages import Obligation, Partition, SymbolicRun, Unshardable
 from tv_ray.partition.symmetry import Asymmetric, Blocks, Mirrors, Moves, find_mirrors, microbatch_moves
 from tv_ray.plan import Plan
-from tv_ray.terms import from_table, to_table
+from tv_ray.terms import Term, from_table, to_table
 
 SHARD_MIN = 1_000_000       # ops stepped (every rank's program) from which a plan with pipeline stages is sharded
 AXIS = "pp"
@@ -49,10 +50,11 @@ Generate = Callable[[Callable, list[tuple]], Iterable[tuple[int, object]]]
 
 @dataclass
 class ShardRun:
-    """What one pipeline shard's run recorded; formulas as term tables (it may travel between processes)."""
+    """What one pipeline shard's run recorded. Pickled (from a Ray task or worker process), its formulas
+    travel as one term table, each shared subterm once."""
 
     obligations: list[Obligation]
-    formulas: dict[str, tuple[dict, int]]
+    formulas: dict[str, tuple[list[Term], list[Term]]]
     copy_ranks: np.ndarray
     copy_of: np.ndarray             # index into this shard's `obligations`
     boundary: dict[str, Claim]
@@ -61,6 +63,19 @@ class ShardRun:
     accumulated: int
     sent: dict[tuple, tuple]
     assumed: dict[tuple, tuple]
+
+    def __getstate__(self) -> dict:
+        sides = [(len(lhs), len(rhs)) for lhs, rhs in self.formulas.values()]
+        table = to_table(*[t for lhs, rhs in self.formulas.values() for t in (*lhs, *rhs)])
+        return {**self.__dict__, "formulas": (list(self.formulas), sides, table)}
+
+    def __setstate__(self, state: dict) -> None:
+        keys, sides, table = state["formulas"]
+        roots = from_table(table)
+        roots = iter(roots if isinstance(roots, tuple) else (roots,))
+        state["formulas"] = {key: ([next(roots) for _ in range(left)], [next(roots) for _ in range(right)])
+                             for key, (left, right) in zip(keys, sides)}
+        self.__dict__.update(state)
 
 
 def ops_of(plan: Plan, ranks: Iterable[int]) -> int:
@@ -94,10 +109,8 @@ def run_shards(plan: Plan, dims: dict[str, int], claims: dict[tuple[int, str], C
         run = SymbolicRun(plan, dims, logical, claims, mirrors, moves, bar, owned=owned)
         run.run()
         ranks, reps = run.resolve_copies()
-        notes = run.notes + _incomplete(run.pending)
-        formulas = {key: (to_table(*lhs, *rhs), len(lhs)) for key, (lhs, rhs) in run.formulas.items()}
-        out.append(ShardRun(run.obligations, formulas, ranks, reps, run.boundary, notes, run.moved, run.accumulated,
-                            run.sent, run.assumed))
+        out.append(ShardRun(run.obligations, run.formulas, ranks, reps, run.boundary,
+                            run.notes + _incomplete(run.pending), run.moved, run.accumulated, run.sent, run.assumed))
     return out
 
 
@@ -106,10 +119,14 @@ def merge(runs: list[ShardRun], mirrors: Mirrors | None = None, symmetry: list[s
     shards is not what its receiver rebuilt."""
     sent = {k: v for run in runs for k, v in run.sent.items()}
     assumed = {k: v for run in runs for k, v in run.assumed.items()}
-    for where in sorted(sent.keys() ^ assumed.keys())[:1]:
+    unmatched = sorted(sent.keys() ^ assumed.keys())
+    if unmatched:
+        where = unmatched[0]
         raise Unshardable(f"send #{where[3] + 1} from rank {where[0]} to rank {where[1]} (tag {where[2]}) was "
                           f"{'never received' if where in sent else 'received but never sent'}")
-    for where in [w for w in sorted(sent) if sent[w] != assumed[w]][:1]:
+    differing = sorted(w for w in sent if sent[w] != assumed[w])
+    if differing:
+        where = differing[0]
         raise Unshardable(f"send #{where[3] + 1} from rank {where[0]} to rank {where[1]} (tag {where[2]}) is not "
                           f"the continuation of its claim that the receiving shard rebuilt")
     tagged = [(s, i, ob) for s, run in enumerate(runs) for i, ob in enumerate(run.obligations)]
@@ -120,13 +137,10 @@ def merge(runs: list[ShardRun], mirrors: Mirrors | None = None, symmetry: list[s
     for n, (s, i, ob) in enumerate(tagged):
         where[s][i] = ob.position = n
         obligations.append(ob)
-    formulas: dict[str, tuple] = {}
+    formulas: dict[str, tuple[list[Term], list[Term]]] = {}
     for run in runs:
-        for key, (table, left) in run.formulas.items():
-            if key not in formulas:
-                roots = from_table(table)
-                roots = roots if isinstance(roots, tuple) else (roots,)
-                formulas[key] = (list(roots[:left]), list(roots[left:]))
+        for key, sides in run.formulas.items():
+            formulas.setdefault(key, sides)
     copies = (np.concatenate([run.copy_ranks for run in runs]).astype(np.int32),
               np.concatenate([where[s][run.copy_of] for s, run in enumerate(runs)]).astype(np.int32))
     part = _assemble(obligations, {cid: c for run in runs for cid, c in run.boundary.items()},
@@ -183,10 +197,11 @@ def partition(plan: Plan, dims: dict[str, int], claims: dict[tuple[int, str], Cl
     blocks = moves.blocks if moves else found.blocks if found else None
     total = ops_of(plan, range(plan.num_ranks))
     split = pipeline_shards(plan, claims) if shards or (shards is None and total >= SHARD_MIN) else None
+    logical = cache(lambda: LogicalTerms.build(plan.logical, dims, blocks))   # built here once, if needed here
     bar = tqdm(total=total, disable=not progress, unit="op", desc="generating", file=sys.stderr, dynamic_ncols=True)
     try:
         try:
-            return _run(plan, dims, claims, found, moves, blocks, notes, split, bar, generate, groups)
+            return _run(plan, dims, claims, found, moves, blocks, logical, notes, split, bar, generate, groups)
         except Asymmetric as why:
             notes.append(f"symmetry: {why}; every rank run in full")
             have = {r for r, _ in claims}
@@ -194,22 +209,23 @@ def partition(plan: Plan, dims: dict[str, int], claims: dict[tuple[int, str], Cl
                 raise TvRayError(f"data-parallel symmetry failed during the run ({why}) and the claims of the "
                                  f"mirrored ranks were never built; run with --no-symmetry") from None
             bar.reset()
-            return _run(plan, dims, claims, None, None, blocks, notes, split, bar, generate, groups)
+            return _run(plan, dims, claims, None, None, blocks, logical, notes, split, bar, generate, groups)
     finally:
         bar.close()
 
 
-def _run(plan, dims, claims, found, moves, blocks, notes, split, bar, generate, groups) -> Partition:
+def _run(plan, dims, claims, found, moves, blocks, logical, notes, split, bar, generate, groups) -> Partition:
     """One generation with the given symmetry: sharded when `split`, and whole if the shards disagree."""
     symmetry = notes + (found.notes if found else [])
     if split is not None:
         try:
-            return _sharded(plan, dims, claims, found, moves, blocks, split, bar, generate, groups, symmetry)
+            return _sharded(plan, dims, claims, found, moves, blocks, logical, split, bar, generate, groups,
+                            symmetry)
         except Unshardable as why:
             notes.append(f"pipeline shards: {why}; the run was made whole")
             symmetry = notes + (found.notes if found else [])
             bar.reset()
-    run = SymbolicRun(plan, dims, LogicalTerms.build(plan.logical, dims, blocks), claims, found, moves, bar)
+    run = SymbolicRun(plan, dims, logical(), claims, found, moves, bar)
     run.run()
     copies = run.resolve_copies()
     run.notes += _incomplete(run.pending)
@@ -217,13 +233,12 @@ def _run(plan, dims, claims, found, moves, blocks, notes, split, bar, generate, 
                      run.accumulated)
 
 
-def _sharded(plan, dims, claims, found, moves, blocks, split, bar, generate, groups, symmetry) -> Partition:
+def _sharded(plan, dims, claims, found, moves, blocks, logical, split, bar, generate, groups, symmetry) -> Partition:
     jobs = [split[g::groups] for g in range(min(groups, len(split)))]
     runs: list[list[ShardRun] | None] = [None] * len(jobs)
     if generate is None:
-        logical = LogicalTerms.build(plan.logical, dims, blocks)
         for i, job in enumerate(jobs):
-            runs[i] = run_shards(plan, dims, claims, found, moves, blocks, job, logical, bar)
+            runs[i] = run_shards(plan, dims, claims, found, moves, blocks, job, logical(), bar)
     else:
         for i, result in generate(run_shards, [(plan, dims, claims, found, moves, blocks, job) for job in jobs]):
             runs[i] = result
