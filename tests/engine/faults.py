@@ -60,15 +60,16 @@ def slowed(seconds: float):
 
 
 def cli_slowed(seconds: float, argv: list[str]) -> int:
-    """`tv-ray` with the Ray engine's solver actors `slowed`."""
+    """`tv-ray` with the Ray engine's solver actors `slowed`, and a cluster given up for lost after 3 s of
+    refusals (not 10)."""
     from tv_ray import cli
-    from tv_ray.engine import executor
-    from tv_ray.engine.ray_executor import RayExecutor
+    from tv_ray.engine import executor, ray_executor
 
     def executor_for(engine, jobs=None, address=None):
         assert engine == "ray", engine
-        return RayExecutor(actors=jobs, address=address, solve=slowed(seconds))
+        return ray_executor.RayExecutor(actors=jobs, address=address, solve=slowed(seconds))
     executor.executor_for = executor_for
+    ray_executor.LOST_S = 3.0
     return cli.main(argv)
 
 

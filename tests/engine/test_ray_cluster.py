@@ -78,10 +78,10 @@ def test_a_worker_node_removed_mid_run_loses_no_work(cluster, plan, tmp_path):
 
 def test_losing_the_cluster_ends_with_a_clear_error_and_a_resumable_checkpoint(ray_head, tmp_path):
     """The driver runs as its own process against a `ray start --head` cluster that is then killed whole, its
-    solving slowed (50 ms a key, ~10 s in all) so that the cluster dies with work left."""
+    solving slowed (30 ms a key, ~6 s in all) so that the cluster dies with work left."""
     out = tmp_path / "out"
     bin_ = Path(sys.executable).parent
-    run = subprocess.Popen([sys.executable, faults.__file__, "0.05", "verify", "--model", "llama3-tiny",
+    run = subprocess.Popen([sys.executable, faults.__file__, "0.03", "verify", "--model", "llama3-tiny",
                             "--parallel", "dp=2,tp=2", "-o", str(out), "--address", ray_head.address,
                             "--solvers", "z3", "--jobs", "1", "-q"],
                            env=ray_head.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
