@@ -1,5 +1,8 @@
-"""A Ray cluster of the test's own: `ray start --head` on 127.0.0.1 with free ports and its own temp dir, stopped
-by its own processes (never `ray stop`, which would stop every Ray of the user)."""
+"""The suite runs on every core (pytest-xdist, `-n auto --dist loadgroup` in pyproject.toml): the modules that start
+Ray (`RAY_MODULES`) run one after another on one worker, so two Rays never share the machine's cores, and a test
+elsewhere that starts Ray fails, saying so. `ray_head`: a Ray cluster of the test's own, `ray start --head` on
+127.0.0.1 with free ports and its own temp dir, stopped by its own processes (never `ray stop`, which would stop
+every Ray of the user)."""
 from __future__ import annotations
 
 import os
@@ -16,6 +19,35 @@ from pathlib import Path
 import pytest
 
 BIN = Path(sys.executable).parent
+RAY_MODULES = {"certificate/test_certificate.py", "deploy/test_job_submission.py", "engine/test_checkpoint.py",
+               "engine/test_grid_subset.py", "engine/test_ray_cluster.py", "engine/test_ray_engine.py",
+               "engine/test_verify_cli.py"}
+HERE = Path(__file__).resolve().parent
+
+
+def _module(item) -> str:
+    return Path(item.fspath).resolve().relative_to(HERE).as_posix()
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if _module(item) in RAY_MODULES:
+            item.add_marker(pytest.mark.xdist_group("ray"))
+
+
+def _ray_up() -> bool:
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    before = _ray_up()
+    result = yield
+    if not before and _ray_up() and _module(item) not in RAY_MODULES:
+        raise AssertionError(f"{item.nodeid} started Ray in the test process; add {_module(item)} to RAY_MODULES "
+                             f"(tests/conftest.py) so that it runs on the Ray worker")
+    return result
 
 
 @dataclass
