@@ -26,7 +26,7 @@ from tv_ray.engine.solve import Budget, Verdict
 from tv_ray.errors import CommunicationError
 from tv_ray.partition.claims import (Claim, ConcreteRun, group_value, infer_claims, input_claims, interior_claims,
                                     output_claims, runs_for)
-from tv_ray.partition.generate import partition
+from tv_ray.partition.generate import ops_of, partition
 from tv_ray.partition.stages import Obligation, Partition, claim_id
 from tv_ray.partition.symmetry import Mirrors, find_mirrors
 from tv_ray.plan import Plan
@@ -91,12 +91,6 @@ class Outcome:
         return min(bad, key=lambda o: o.position) if bad else None
 
 
-def concrete_size(plan: Plan) -> int:
-    """Op executions of one concrete run of every rank."""
-    names, ids = plan.rank_programs()
-    return sum(len(plan.programs[names[i]].nodes) for i in ids)
-
-
 def claims_for(plan: Plan, dims: dict[str, int], seed: int = 0, ranks: np.ndarray | None = None):
     """The concrete runs and every claim (boundary lineage, intermediate lineage, then matched by value).
 
@@ -104,7 +98,7 @@ def claims_for(plan: Plan, dims: dict[str, int], seed: int = 0, ranks: np.ndarra
     (boundary and intermediate) alone, made only on `ranks` (a mask; mirrored ranks take their
     representative's), nothing is matched by value and no output is checked at a point — which changes only
     where stages are cut, never what a proof needs."""
-    if concrete_size(plan) > CONCRETE_LIMIT:
+    if ops_of(plan, range(plan.num_ranks)) > CONCRETE_LIMIT:
         shapes = {s.name: instantiate_shape(s.shape, dims) for s in plan.logical.inputs}
         shapes |= {n.name: instantiate_shape(n.shape, dims) for n in plan.logical.nodes}
         return [], {**input_claims(plan, shapes, ranks), **interior_claims(plan, shapes, ranks),

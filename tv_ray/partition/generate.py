@@ -79,6 +79,7 @@ class ShardRun:
 
 
 def ops_of(plan: Plan, ranks: Iterable[int]) -> int:
+    """Op executions of one run of `ranks`' programs."""
     names, ids = plan.rank_programs()
     return sum(len(plan.programs[names[ids[r]]].nodes) for r in ranks)
 

@@ -643,7 +643,6 @@ class SymbolicRun(Scheduler):
             raise Unshardable(f"{self.plan.describe(src)} sends {tensor}, which has no symbolic rule")
         return value, frozenset().union(*(r for _, r in args))
 
-
     # -- cuts -----------------------------------------------------------------------------------
     def _advance(self, state, node: Node, value) -> None:
         key = (state.rank, node.name)
