@@ -3,6 +3,7 @@ where that and the plan's own structure make it a theorem."""
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,6 +14,8 @@ from tv_ray.engine.executor import LocalExecutor
 from tv_ray.engine.solve import Budget
 from tv_ray.ir import Graph, Node
 from tv_ray.partition.generate import partition
+from tv_ray.partition.logical import LogicalTerms, atoms
+from tv_ray.partition.stages import Mirrored, SymbolicRun
 from tv_ray.partition.symmetry import Asymmetric, Blocks, Tag, mirrors
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
@@ -91,11 +94,47 @@ def test_mirrored_ranks_give_the_same_stages_as_running_every_rank(dp4):
     assert mirrored.size == len(everyone) == len(full.obligations)
     assert sorted((o.id, o.ranks, o.claim, o.reads) for o in full.obligations) == \
         sorted((o.id, o.ranks, o.claim, o.reads) for o in everyone)
-    same = sum(a.key == b.key for a, b in zip(sorted(full.obligations, key=lambda o: o.id),
-                                              sorted(everyone, key=lambda o: o.id)))
-    # only the dp-partial weight gradients differ: proved as block 0's contribution instead of the whole sum
-    assert len(full.obligations) - same == 22
-    assert len(mirrored.formulas) == len(full.formulas)
+    differ = [(a.op, a.claim) for a, b in zip(sorted(full.obligations, key=lambda o: o.id),
+                                              sorted(everyone, key=lambda o: o.id)) if a.key != b.key]
+    # only the weight gradients summed over dp differ: each rank's part (and its transposes) is proved as its
+    # block's contribution and continues from it, not from a free split of the sum, and their all-reduce adds up
+    # every block's contribution
+    contribution = LogicalTerms.build(plan.logical, dims, mirrored.mirrors.blocks).contribution
+    assert all(claim.logical in contribution and claim.partial == (("dp",) if op != "all_reduce" else ())
+               for op, claim in differ)
+    assert Counter(op for op, _ in differ) == {"all_reduce": 88, "transpose": 30, "mm": 15, "sum": 5, "view": 5,
+                                               "embedding_dense_backward": 1, "nll_loss_total_weight": 1}
+
+
+def test_mirrored_ranks_compute_nothing_past_their_weight_gradients(dp4):
+    """A weight gradient's part on a mirrored rank continues as its block's contribution, mirrored: what follows
+    (its transposes, the all-reduce of every block's part) is computed by the representative alone."""
+    plan, dims, claims = dp4
+    found = mirrors(plan, dims)
+    computed = Counter()
+
+    class Watched(SymbolicRun):
+        def _advance(self, state, node, value):
+            if state.rank in found.rep and not isinstance(value, Mirrored):
+                computed[str(node.op)] += 1
+            super()._advance(state, node, value)
+
+    Watched(plan, dims, LogicalTerms.build(plan.logical, dims, found.blocks), claims, found).run()
+    assert sorted(found.rep) == [1, 2, 3] and computed == {"full_like": 3}    # each one's ones_like (shape only)
+
+
+def test_a_computed_part_among_mirrored_contributions_ends_the_symmetry(dp4):
+    plan, dims, claims = dp4
+    found = mirrors(plan, dims)
+    run = SymbolicRun(plan, dims, LogicalTerms.build(plan.logical, dims, found.blocks), claims, found)
+    node = plan.programs["main"].value("mm_15")                 # a weight gradient's part over dp
+    shape = claims[0, "mm_15"].shape
+    parts = {0: atoms("part", shape), 1: Mirrored(shape), 2: atoms("other", shape), 3: Mirrored(shape)}
+    with pytest.raises(Asymmetric) as err:
+        for rank, value in parts.items():
+            run._cut(run.ranks[rank], node, value, run._claim(rank, "mm_15"), frozenset())
+    assert str(err.value) == ("stage g0,1,2,3/mm_15: a contribution sum across the dp blocks whose parts are not "
+                              "block 0's renamed (rank 2: computed)")
 
 
 def test_a_mirrored_plan_is_proved(dp4):

@@ -12,7 +12,9 @@ from the claim instead of the computed terms:
 - a claim that is a partial sum over a group continues, on group member p of
   g, as fresh atoms for p < g−1 and as the slice minus the others' atoms for
   the last member — every split of the logical value into g summands, so a
-  proof over these atoms holds for the actual split;
+  proof over these atoms holds for the actual split (a contribution sum over
+  the dp blocks of a mirrored run: each member's block's contribution, which
+  its stage proves it is);
 - an obligation for a partial claim compares the group's sum with the slice.
 
 Program inputs continue from their boundary lineage (assumed); program
@@ -229,6 +231,11 @@ class SymbolicRun(Scheduler):
     representative's renamed (else `Asymmetric`, and the run is repeated with
     every rank in full). A partial sum over dp of a contribution sum is proved
     for block 0: the representative's group part equals block 0's contribution.
+    Over a group of one rank per dp block, every member then continues from its
+    block's contribution (the representative from its terms, its mirrors
+    mirrored), and their all-reduce is the claimed slice's atoms — the sum of
+    every block's contribution — so what follows a weight gradient is computed
+    once, whatever the dp size.
 
     With `moves` (microbatch symmetry), a rank reading block 0 computes
     microbatch 0 and keeps each op's arguments and result; an op of another
@@ -256,6 +263,9 @@ class SymbolicRun(Scheduler):
         self._parts0: dict[int, dict] = {}
         self._cuts0: dict[int, dict] = {}
         self._footprints: dict[int, dict] = {}
+        # block 0's contributions its partial claims continue from: id -> (terms, tensor, slices); groups -> spans
+        self._contributed: dict[int, tuple[np.ndarray, str, tuple]] = {}
+        self._spans: dict[tuple[int, ...], bool] = {}
         self.moved = 0
         self.accumulated = 0        # stages of gradient accumulation recorded as microbatch 0's contribution
         self.sources: dict[tuple[int, str], frozenset[str]] = {}
@@ -375,15 +385,48 @@ class SymbolicRun(Scheduler):
         if len(mirrored) == len(values) and len({v.same for v in values}) == 1:
             shape = self._shape(node)
             return [Mirrored(shape, values[0].same) for _ in values]
-        values = list(values)
-        for i in mirrored:
-            values[i] = self._mirror(members, values, members[i])
-        results = list(group_rule(node.op, values, node.attr))
+        whole = self._summed_contributions(node, members, values)
+        if whole is not None:
+            results = [whole for _ in members]
+        else:
+            values = list(values)
+            for i in mirrored:
+                values[i] = self._mirror(members, values, members[i])
+            results = list(group_rule(node.op, values, node.attr))
         slots: dict[int, bool] = {}
         for i, m in enumerate(members):
             if m in self.mirrored:
                 results[i] = self._as_mirror(members, results, m, slots)
         return results
+
+    def _summed_contributions(self, node: Node, members, values) -> np.ndarray | None:
+        """The sum over a group spanning the dp blocks (`_spans_blocks`) of block 0's contribution to a slice of
+        a contribution sum and its mirrors' renamings — every block's contribution once: that slice's atoms.
+        None for any other collective."""
+        if node.op != Op.ALL_REDUCE or node.attr.get("reduce") != "sum" or not self._spans_blocks(members):
+            return None
+        held = [v for m, v in zip(members, values) if m not in self.mirrored]
+        hit = self._contributed.get(id(held[0]))
+        if hit is None or hit[0] is not held[0] or \
+                not all(isinstance(v, Mirrored) and not v.same for m, v in zip(members, values) if m in self.mirrored):
+            return None
+        return self.logical.value_at(hit[1], hit[2])
+
+    def _contributes(self, members, claim: Claim) -> bool:
+        """Is the claim a contribution sum over a group spanning the dp blocks? Then each member's part is its
+        block's contribution: block 0's stage proves it, renaming gives the others'."""
+        return claim.logical in self.logical.contribution and self._spans_blocks(members)
+
+    def _spans_blocks(self, members) -> bool:
+        """Does the group hold one rank of each dp block: block 0's, run in full, and its mirrors?"""
+        spans = self._spans.get(members)
+        if spans is None:
+            block = self.mirrors.block if self.mirrors else {}
+            first = [m for m in members if block and block[m] == 0]
+            spans = self._spans[members] = len(first) == 1 and \
+                sorted(block[m] for m in members) == list(range(self.mirrors.blocks.count // self.mirrors.width)) \
+                and all(self.mirrored.get(m) == first[0] for m in members if m != first[0])
+        return spans
 
     def _mirror(self, members, values, rank: int) -> np.ndarray:
         """A mirrored rank's value among a group's `values`, from its representative's."""
@@ -710,8 +753,15 @@ class SymbolicRun(Scheduler):
         return self._part(rank, members, claim, cid)
 
     def _part(self, rank: int, members, claim: Claim, cid: str):
-        """What group member `rank` continues from after a partial claim: fresh atoms, or (the last member) the
-        slice minus the others' — microbatch 0's part moved, where there is one."""
+        """What group member `rank` continues from after a partial claim: its dp block's contribution, for a
+        contribution sum over a group spanning the dp blocks (block 0's terms, the others mirrored); else fresh
+        atoms, or (the last member) the slice minus the others' — microbatch 0's part moved, where there is one."""
+        if self._contributes(members, claim):
+            if rank in self.mirrored:
+                return Mirrored(claim.shape)
+            out = self.logical.contribution_of(claim.logical, claim.slices(), self.mirrors.width)
+            self._contributed[id(out)] = (out, claim.logical, claim.slices())
+            return out
         position = members.index(rank)
         moved = self._moved_part(rank, claim, cid, position)
         if moved is not None:
@@ -731,8 +781,10 @@ class SymbolicRun(Scheduler):
 
     def _record_group(self, cid, members, state, node: Node, claim: Claim, values, reads) -> None:
         """A partial claim's group is complete: the group's sum against the slice (mirrored parts renamed),
-        or, for a contribution sum whose group spans every dp block evenly, dp block 0's part alone."""
-        if not any(isinstance(v, Mirrored) for v in values):
+        or, for a contribution sum whose group spans every dp block evenly, dp block 0's part alone. Where the
+        members already continue from their blocks' contributions (`_part`), it must be the latter."""
+        contributed = self._contributes(members, claim)
+        if not contributed and not any(isinstance(v, Mirrored) for v in values):
             return self._record(cid, members, state, node, claim, values, reads)
         mirrors = self.mirrors
         block = mirrors.block
@@ -747,6 +799,10 @@ class SymbolicRun(Scheduler):
             part, rhs = self._accumulated(claim, part, mirrors.width) or \
                 (part, self.logical.contribution_of(claim.logical, claim.slices(), mirrors.width))
             return self._record(cid, members, state, node, claim, part, reads, rhs=rhs)
+        if contributed:
+            odd = [f"rank {m}: {_kind(v)}" for m, v in zip(members, values) if m in self.mirrored and _kind(v) != "renamed"]
+            raise Asymmetric(f"stage {cid}: a contribution sum across the dp blocks whose parts are not block 0's "
+                             f"renamed ({', '.join(odd[:4])}{', …' if len(odd) > 4 else ''})")
         values = [self._mirror(members, values, m) if isinstance(v, Mirrored) else v for m, v in zip(members, values)]
         return self._record(cid, members, state, node, claim, values, reads)
 
