@@ -16,6 +16,7 @@ from tv_ray.ir import Graph, Node
 from tv_ray.partition.generate import partition
 from tv_ray.partition.logical import LogicalTerms, atoms
 from tv_ray.partition.stages import Mirrored, SymbolicRun
+from tv_ray.terms import Kind
 from tv_ray.partition.symmetry import Asymmetric, Blocks, Tag, mirrors
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
@@ -119,8 +120,15 @@ def test_mirrored_ranks_compute_nothing_past_their_weight_gradients(dp4):
                 computed[str(node.op)] += 1
             super()._advance(state, node, value)
 
-    Watched(plan, dims, LogicalTerms.build(plan.logical, dims, found.blocks), claims, found).run()
+    logical = LogicalTerms.build(plan.logical, dims, found.blocks)
+    run = Watched(plan, dims, logical, claims, found)
+    run.run()
     assert sorted(found.rep) == [1, 2, 3] and computed == {"full_like": 3}    # each one's ones_like (shape only)
+    # the all-reduce of every block's contribution is the gradient's own atoms, not a sum of dp renamings
+    reduced = [ob for ob in run.obligations if ob.op == "all_reduce" and ob.claim.logical in logical.contribution]
+    assert len(reduced) == 22
+    for lhs, rhs in (run.formulas[ob.key] for ob in reduced):     # (one formula per key: any layer's)
+        assert lhs == rhs and all(t.kind in (Kind.VAR, Kind.CONST) for t in lhs)
 
 
 def test_a_computed_part_among_mirrored_contributions_ends_the_symmetry(dp4):
@@ -132,7 +140,7 @@ def test_a_computed_part_among_mirrored_contributions_ends_the_symmetry(dp4):
     parts = {0: atoms("part", shape), 1: Mirrored(shape), 2: atoms("other", shape), 3: Mirrored(shape)}
     with pytest.raises(Asymmetric) as err:
         for rank, value in parts.items():
-            run._cut(run.ranks[rank], node, value, run._claim(rank, "mm_15"), frozenset())
+            run._cut(run.ranks[rank], node, value, run._claim(rank, "mm_15"))
     assert str(err.value) == ("stage g0,1,2,3/mm_15: a contribution sum across the dp blocks whose parts are not "
                               "block 0's renamed (rank 2: computed)")
 

@@ -687,16 +687,19 @@ class SymbolicRun(Scheduler):
         return value, frozenset().union(*(r for _, r in args))
 
     # -- cuts -----------------------------------------------------------------------------------
-    def _advance(self, state, node: Node, value) -> None:
-        key = (state.rank, node.name)
+    def _reads(self, state, node: Node) -> frozenset[str]:
+        """The claims (stage ids, boundary inputs) an op's value was computed from."""
         if node.op in (Op.ALL_REDUCE, Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_TO_ALL, Op.BROADCAST):
             reads = self._group_sources
         elif node.op == Op.RECV:
             reads = self._received
         else:
             reads = frozenset().union(*(self.sources.get((state.rank, a), frozenset()) for a in node.args))
-        if key in self.opaque:
+        if (state.rank, node.name) in self.opaque:
             reads = reads | {f"opaque:r{state.rank}/{node.name}"}
+        return reads
+
+    def _advance(self, state, node: Node, value) -> None:
         if isinstance(value, Mirrored) and state.rank not in self.mirrored:
             raise Asymmetric(f"{self.plan.describe(state.rank)} {node.name} receives a mirrored rank's value")
         claim = self._claim(state.rank, node.name)
@@ -705,9 +708,9 @@ class SymbolicRun(Scheduler):
             raise Asymmetric(f"{self.plan.describe(state.rank)} {node.name}: a collective's result claimed as "
                              f"a slice with samples")
         if claim is not None and node.dtype == "float" and node.op != Op.SEND:
-            value = self._cut(state, node, value, claim, reads)
+            value = self._cut(state, node, value, claim)
         else:
-            self.sources[key] = reads
+            self.sources[state.rank, node.name] = self._reads(state, node)
         freed = self.frees[state.name][state.pc]
         super()._advance(state, node, value)
         self._stepped += 1
@@ -719,15 +722,17 @@ class SymbolicRun(Scheduler):
             for held in (self._memo, self._conts, self._parts0, self._cuts0, self._footprints):
                 held.pop(state.rank, None)
 
-    def _cut(self, state, node: Node, value, claim: Claim, reads: frozenset[str]):
+    def _cut(self, state, node: Node, value, claim: Claim):
         rank = state.rank
         members = self.members(rank, claim.partial)
         cid = claim_id(members, node.name)
+        if not claim.partial and isinstance(value, Mirrored):
+            self._copy(state)
+            self.sources[rank, node.name] = frozenset({cid})
+            return Mirrored(claim.shape)
+        reads = self._reads(state, node)
         self.sources[rank, node.name] = frozenset({cid})
         if not claim.partial:
-            if isinstance(value, Mirrored):
-                self._copy(cid, members, state, node, claim, reads)
-                return Mirrored(claim.shape)
             if not self._moved_stage(cid, members, state, node, claim, [value], reads):
                 self._record(cid, members, state, node, claim, [value], reads)
                 self._remember(members, node, claim, [value])
@@ -744,7 +749,7 @@ class SymbolicRun(Scheduler):
                 raise Asymmetric(f"stage {cid}: mirrored and computed parts of one all-mirrored group "
                                  f"({', '.join(f'rank {m}: {_kind(v)}' for m, v in zip(members, values))})")
             if copied and kinds & {"same", "renamed"}:
-                self._copy(cid, members, state, node, claim, reads)
+                self._copy(state)
             elif not self._moved_stage(cid, members, state, node, claim, values, reads):
                 self._record_group(cid, members, state, node, claim, values, reads)
                 self._remember(members, node, claim, values)
@@ -806,7 +811,7 @@ class SymbolicRun(Scheduler):
         values = [self._mirror(members, values, m) if isinstance(v, Mirrored) else v for m, v in zip(members, values)]
         return self._record(cid, members, state, node, claim, values, reads)
 
-    def _copy(self, cid, members, state, node: Node, claim: Claim, reads) -> None:
+    def _copy(self, state) -> None:
         """A stage of mirrored ranks: its representative's, renamed; only where it sits is kept (the
         partition expands it from the representative's stage, `Partition.copy`)."""
         self.copied[0].append(state.rank)
@@ -844,16 +849,21 @@ class SymbolicRun(Scheduler):
         index = {ob.id: i for i, ob in enumerate(self.obligations)}
         ranks, pcs = np.asarray(self.copied[0], dtype=np.int32), np.asarray(self.copied[1], dtype=np.int32)
         reps = np.empty(len(ranks), dtype=np.int32)
+        alone: dict[tuple[int, int], int] = {}      # (representative, op position) -> its stage, for a rank's own
         for i, (rank, pc) in enumerate(zip(ranks.tolist(), pcs.tolist())):
-            node = self.ranks[rank].program.nodes[pc]
-            claim = self._claim(rank, node.name)
-            k = self.mirrors.block[rank]
-            members = tuple(self.mirrors.image[k][m] for m in self.members(rank, claim.partial))
-            rep = claim_id(members, node.name)
-            if rep not in index:
-                raise Asymmetric(f"{self.plan.describe(rank)} {node.name} mirrors stage {rep}, which no "
-                                 f"representative recorded")
-            reps[i] = index[rep]
+            hit = alone.get((self.mirrored[rank], pc))
+            if hit is None:
+                node = self.ranks[rank].program.nodes[pc]
+                partial = self.claims[self.mirrored[rank], node.name].partial
+                k = self.mirrors.block[rank]
+                rep = claim_id(tuple(self.mirrors.image[k][m] for m in self.members(rank, partial)), node.name)
+                if rep not in index:
+                    raise Asymmetric(f"{self.plan.describe(rank)} {node.name} mirrors stage {rep}, which no "
+                                     f"representative recorded")
+                hit = index[rep]
+                if not partial:
+                    alone[self.mirrored[rank], pc] = hit
+            reps[i] = hit
         return ranks, reps
 
 

@@ -35,7 +35,7 @@ sum over blocks of the op applied to each block (`Blocks.sums`).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -352,9 +352,7 @@ class Mirrors:
         tag = self.blocks.tags.get(claim.logical)
         if tag is None or k == 0:
             return claim
-        offsets = list(claim.offsets)
-        offsets[tag.dim] += k * self.width * self.blocks.size * tag.q
-        return replace(claim, offsets=tuple(offsets))
+        return claim.shifted(tag.dim, k * self.width * self.blocks.size * tag.q)
 
 
 SLOT_RE = re.compile(r"(?P<kind>in:r|opaque:r|[rg])(?P<ranks>\d+(?:,\d+)*)/")
@@ -512,9 +510,7 @@ class Moves:
         k = lo // span
         if k == 0 or (lo + n - 1) // span != k:
             return None
-        offsets = list(claim.offsets)
-        offsets[tag.dim] -= k * span
-        return k, replace(claim, offsets=tuple(offsets))
+        return k, claim.shifted(tag.dim, -k * span)
 
     def first(self, claim: Claim) -> bool:
         """Does the claim lie in block 0 (or hold no samples)?"""
