@@ -421,10 +421,10 @@ class SymbolicRun(Scheduler):
         """Does the group hold one rank of each dp block: block 0's, run in full, and its mirrors?"""
         spans = self._spans.get(members)
         if spans is None:
-            block = self.mirrors.block if self.mirrors else {}
-            first = [m for m in members if block and block[m] == 0]
+            mirrors = self.mirrors
+            first = [m for m in members if mirrors and mirrors.block[m] == 0]
             spans = self._spans[members] = len(first) == 1 and \
-                sorted(block[m] for m in members) == list(range(self.mirrors.blocks.count // self.mirrors.width)) \
+                sorted(mirrors.block[m] for m in members) == list(range(mirrors.blocks.count // mirrors.width)) \
                 and all(self.mirrored.get(m) == first[0] for m in members if m != first[0])
         return spans
 
@@ -726,12 +726,11 @@ class SymbolicRun(Scheduler):
         rank = state.rank
         members = self.members(rank, claim.partial)
         cid = claim_id(members, node.name)
+        self.sources[rank, node.name] = frozenset({cid})
         if not claim.partial and isinstance(value, Mirrored):
             self._copy(state)
-            self.sources[rank, node.name] = frozenset({cid})
             return Mirrored(claim.shape)
         reads = self._reads(state, node)
-        self.sources[rank, node.name] = frozenset({cid})
         if not claim.partial:
             if not self._moved_stage(cid, members, state, node, claim, [value], reads):
                 self._record(cid, members, state, node, claim, [value], reads)
