@@ -28,7 +28,7 @@ def digest(part) -> str:
     from (a mirrored group stage is kept under whichever member completed the group, so not by rank)."""
     import numpy as np
     h = hashlib.sha256()
-    rows = sorted((o.id, f"{o.ranks}|{o.key}|{','.join(o.reads)}") for o in part.obligations)
+    rows = sorted((o.id, f"{o.ranks}|{o.key}|{','.join(map(str, o.reads))}") for o in part.obligations)
     for cid, row in rows:
         h.update(f"{cid}|{row}\n".encode())
     if part.mirrored:
@@ -42,7 +42,7 @@ def digest(part) -> str:
 def measure(model: str, spec: str, batch: int, mode: str) -> dict:
     """One generation of the config's stages, `whole` (this process) or `sharded` (Ray tasks on every core)."""
     import tv_ray
-    from tv_ray.engine.driver import _unmirrored, claims_for
+    from tv_ray.partition.derive import claims_for, unmirrored
     from tv_ray.engine.ray_executor import RayExecutor
     from tv_ray.partition.generate import ops_of, partition
     from tv_ray.partition.symmetry import find_mirrors
@@ -51,7 +51,7 @@ def measure(model: str, spec: str, batch: int, mode: str) -> dict:
                               dims={"batch": batch})
     dims = reduce_plan(plan).reduced
     found, notes = find_mirrors(plan, dims, True)
-    claims = claims_for(plan, dims, 0, _unmirrored(plan, found))[1]
+    claims = claims_for(plan, dims, 0, unmirrored(plan, found))[1]
     generation, width = {"shards": False}, 1
     if mode == "sharded":
         executor = RayExecutor()

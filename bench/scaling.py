@@ -25,13 +25,13 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 def _tasks(specs: str):
     import tv_ray
-    from tv_ray.engine.driver import obligations_of
+    from tv_ray.partition.derive import derive
     from tv_ray.engine.executor import SolveTask
     tasks, weight = {}, {}
     for item in specs.split(";"):
         model, spec = item.split(":")
         plan = tv_ray.parallelize(tv_ray.capture_step(model, optim="adamw", clip=1.0), spec, model=model)
-        part = obligations_of(plan)[3]
+        part = derive(plan).partition
         counts = part.key_counts()
         for key, (lhs, rhs) in part.formulas.items():
             tasks.setdefault(key, SolveTask.make(key, lhs, rhs))

@@ -50,6 +50,14 @@ def pytest_runtest_call(item):
     return result
 
 
+@pytest.fixture(scope="session")
+def tiny_dp2_plan():
+    """llama3-tiny (AdamW, clip 1.0) at dp=2."""
+    from tv_ray import api
+    graph = api.capture_step("llama3-tiny", optim="adamw", clip=1.0)
+    return api.parallelize(graph, "dp=2", model="llama3-tiny")
+
+
 @dataclass
 class Head:
     address: str            # GCS host:port, for `--address`

@@ -28,7 +28,7 @@ from tv_ray.plan import Plan
 from tv_ray.simulate import simulate
 
 if TYPE_CHECKING:
-    from tv_ray.engine.driver import Outcome
+    from tv_ray.certificate.outcome import Outcome
 
 
 def _spec(model: str | ModelSpec, dims: Mapping[str, int] | None, tied: bool | None) -> ModelSpec:
@@ -80,9 +80,11 @@ def parallelize(graph: Graph, spec: str | ParallelSpec, *, model: str | ModelSpe
     return _parallelize(graph, spec, dict(dims or {}), name, layers=layers)
 
 
-@dataclass
+@dataclass(repr=False)
 class Result:
-    """The outcome of `verify`: `.proved`, `.status` (proved / refuted / unknown), the report, and `.save`."""
+    """The outcome of `verify`: `.proved`, `.status` (proved / refuted / unknown), the report, and `.save`.
+
+    `print(result)` shows the report's headline; `result.outcome` holds everything the run found."""
 
     outcome: "Outcome"
     report: dict
@@ -92,11 +94,17 @@ class Result:
 
     @property
     def status(self) -> str:
-        return self.report["status"]
+        """The outcome's status, as text: proved, refuted or unknown (the report says the same)."""
+        return self.outcome.status.value
 
     @property
     def proved(self) -> bool:
-        return self.status == "proved"
+        return self.outcome.proved
+
+    def __repr__(self) -> str:
+        c = self.outcome.counts()
+        return (f"<tv_ray.Result {self.status}: {self.report.get('headline', '')} ({c['obligations']} obligations, "
+                f"{c['unique']} unique keys)>")
 
     @property
     def counterexample(self) -> dict | None:
@@ -119,14 +127,16 @@ class Result:
 
 
 def verify(model_or_plan=None, parallel: str | None = None, *, optim: str = "adamw", clip: float | None = 1.0,
-           sp: bool = False, zero: int = 0, solvers=("z3", "cvc5", "yices"), timeout: float = 10.0,
+           sp: bool = False, zero: int = 0, dims: Mapping[str, int] | None = None, tied: bool | None = None,
+           solvers=("z3", "cvc5", "yices"), timeout: float = 10.0,
            jobs: int | None = None, progress: bool | None = None, seed: int = 0, executor=None,
            symmetry: bool = True, engine: str = "ray", address: str | None = None,
            checkpoint: str | Path | None = None, resume: bool = False, shards: bool | None = None) -> Result:
     """Prove that a plan computes the single-device training step, or find where it does not.
 
-    `model_or_plan` is a `Plan`, a plan file path, or a built-in model name (then
-    `parallel` is required and the plan is built with `optim`, `clip`, `sp`, `zero`)::
+    `model_or_plan` is a `Plan`, a plan file path, or a built-in model name (then `parallel` is required
+    and the plan is built as `tv-ray plan` builds it, with `optim`, `clip`, `tied`, `dims` — the model's
+    dims overridden, e.g. ``{"batch": 2048}`` — and `sp`, `zero`)::
 
         result = tv_ray.verify("llama3-tiny", "dp=2,tp=2")
         assert result.proved
@@ -150,16 +160,23 @@ def verify(model_or_plan=None, parallel: str | None = None, *, optim: str = "ada
         if saved is None or model_or_plan is not None:
             raise ParallelConfigError("resume continues the run in checkpoint=OUT: give that, and no plan or model")
         plan, settings = saved.resume()
-    elif isinstance(model_or_plan, Plan):
-        plan = model_or_plan
-    elif isinstance(model_or_plan, (str, Path)) and str(model_or_plan).endswith(".json"):
-        plan_path = str(Path(model_or_plan).resolve())
-        plan = Plan.load(model_or_plan)
+    elif isinstance(model_or_plan, Plan) or (isinstance(model_or_plan, (str, Path))
+                                             and str(model_or_plan).endswith(".json")):
+        given = [name for name, on in (("parallel", parallel is not None), ("sp", sp), ("zero", zero != 0),
+                                       ("tied", tied is not None), ("dims", bool(dims))) if on]
+        if given:
+            raise ParallelConfigError(f"{', '.join(given)} build a plan from a model name; a plan is verified "
+                                      "as it is")
+        if isinstance(model_or_plan, Plan):
+            plan = model_or_plan
+        else:
+            plan_path = str(Path(model_or_plan).resolve())
+            plan = Plan.load(model_or_plan)
     else:
         if parallel is None:
             raise ParallelConfigError("verify a model by name needs parallel=..., e.g. 'dp=2,tp=2'")
-        graph = capture_step(model_or_plan, optim=optim, clip=clip)
-        plan = parallelize(graph, parallel, model=model_or_plan, sp=sp, zero=zero)
+        graph = capture_step(model_or_plan, optim=optim, clip=clip, tied=tied, dims=dims)
+        plan = parallelize(graph, parallel, model=model_or_plan, dims=dims, sp=sp, zero=zero)
     if saved is not None and not resume:
         saved.start(plan, settings)
     budget = Budget(solvers=tuple(settings["solvers"]), timeout_s=settings["timeout_s"], seed=settings["seed"])

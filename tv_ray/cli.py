@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tv_ray.errors import TvRayError
 from tv_ray.models import cmd_models, list_models
-from tv_ray.commands import add_parsers
+from tv_ray.commands import add_model_flags, add_parsers
 from tv_ray.simulate import add_run_parser, parse_dims
 
 
@@ -38,7 +38,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"tv-ray plan: {' | '.join(str(err).splitlines())}", file=sys.stderr)
         return 2
     print(json.dumps({"plan": args.output, "model": args.model, "parallel": args.parallel, "sp": args.sp,
-                      "zero": args.zero, "optim": args.optim, "clip": args.clip, "ranks": plan.num_ranks,
+                      "zero": args.zero, "optim": args.optim, "clip": args.clip, "tied": args.tied,
+                      "dims": dims, "ranks": plan.num_ranks,
                       "programs": {name: len(p.nodes) for name, p in plan.programs.items()},
                       "logical_ops": len(plan.logical.nodes),
                       "seconds": {"capture": round(captured - start, 2), "parallelize": round(done - captured, 2)}}))
@@ -53,17 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="capture a built-in model's training step and parallelize it into a plan",
                           description="Example: tv-ray plan --model llama3-tiny --parallel dp=2,tp=2,pp=2,mb=2 "
                                       "--sp --zero 1 --optim adamw --clip 1.0 -o plan.json")
-    plan.add_argument("--model", required=True, choices=list_models(), metavar="NAME",
-                      help="a built-in model (see `tv-ray models`)")
-    plan.add_argument("--parallel", required=True, metavar="SPEC", help="degrees, e.g. dp=2,tp=2,pp=2,mb=2")
-    plan.add_argument("--sp", action="store_true", help="sequence parallel (needs tp > 1)")
-    plan.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (default 0)")
-    tied = plan.add_mutually_exclusive_group()
-    tied.add_argument("--tied", dest="tied", action="store_true", default=None, help="tie embedding and head")
-    tied.add_argument("--untied", dest="tied", action="store_false", help="separate embedding and head")
-    plan.add_argument("--optim", choices=("sgd", "adamw"), default="sgd", help="optimizer step (default sgd)")
-    plan.add_argument("--clip", type=float, default=None, metavar="NORM", help="clip by global gradient norm")
-    plan.add_argument("--dims", default="", help="override model dims: name=size,...")
+    add_model_flags(plan, required=True, optim="sgd", clip=None)
     plan.add_argument("-o", "--output", required=True, help="where to write the plan JSON")
     plan.set_defaults(func=cmd_plan)
     add_run_parser(sub)

@@ -1,6 +1,7 @@
 """The verification commands: `tv-ray verify`, `tv-ray check`, `tv-ray explain`.
 
     tv-ray verify --model llama3-tiny --parallel dp=2,tp=2,pp=2,mb=2 --optim adamw --clip 1.0 -o out
+    tv-ray verify --model llama3-405b --parallel dp=64,tp=8,pp=16,mb=16 --dims batch=2048 -o out
     tv-ray verify plan.json -o out --address 10.0.0.1:6379      # solver actors on a running Ray cluster
     tv-ray verify --resume out                                  # continue a killed run from out/checkpoint
     tv-ray check out
@@ -23,6 +24,7 @@ from pathlib import Path
 from tv_ray.engine.executor import ENGINES
 from tv_ray.errors import CertificateError, TvRayError
 from tv_ray.models import list_models
+from tv_ray.simulate import parse_dims
 
 EXIT = {"proved": 0, "refuted": 1, "unknown": 2}
 
@@ -31,17 +33,75 @@ def _one_line(err: Exception) -> str:
     return " | ".join(str(err).splitlines())
 
 
+class _Noted(argparse.Action):
+    """Stores the value (after argparse's `type` and `choices`) and notes the option as given."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.model_flags = tuple(dict.fromkeys((*getattr(namespace, "model_flags", ()), option_string)))
+
+
+class _NotedConst(_Noted):
+    """A switch (like store_true / store_false): stores `const`, noted as given."""
+
+    def __init__(self, option_strings, dest, const=None, default=None, required=False, help=None):
+        super().__init__(option_strings, dest, nargs=0, const=const, default=default, required=required, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, self.const, option_string)
+
+
+def add_model_flags(parser: argparse.ArgumentParser, *, required: bool, optim: str, clip: float | None) -> None:
+    """The model and its training recipe, defined once for `tv-ray plan` and `tv-ray verify --model`:
+    --model, --parallel, --sp, --zero, --tied/--untied, --optim, --clip, --dims. `optim` and `clip` are
+    the command's defaults; `required` makes --model and --parallel required. Each of these options given on
+    the command line is noted, in order, in ``args.model_flags`` (so a command can refuse the ones it would
+    ignore)."""
+    parser.set_defaults(model_flags=())
+    parser.add_argument("--model", required=required, choices=list_models(), metavar="NAME", action=_Noted,
+                        help="a built-in model (see `tv-ray models`)")
+    parser.add_argument("--parallel", required=required, metavar="SPEC", action=_Noted,
+                        help="degrees, e.g. dp=2,tp=2,pp=2,mb=2 (mb: microbatches)")
+    parser.add_argument("--sp", action=_NotedConst, const=True, default=False,
+                        help="sequence parallel, needs tp > 1 (default: off)")
+    parser.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), action=_Noted,
+                        help="ZeRO stage (default: %(default)s)")
+    tied = parser.add_mutually_exclusive_group()
+    tied.add_argument("--tied", dest="tied", action=_NotedConst, const=True, default=None,
+                      help="tie the embedding and the output head (default: as the model is defined)")
+    tied.add_argument("--untied", dest="tied", action=_NotedConst, const=False,
+                      help="separate embedding and output head")
+    parser.add_argument("--optim", choices=("sgd", "adamw"), default=optim, action=_Noted,
+                        help="optimizer step (default: %(default)s)")
+    parser.add_argument("--clip", type=float, default=clip, metavar="NORM", action=_Noted,
+                        help="clip by global gradient norm (default: "
+                             f"{'no clipping' if clip is None else '%(default)s'})")
+    parser.add_argument("--dims", default="", metavar="NAME=SIZE,...", action=_Noted,
+                        help="override model dims, e.g. batch=2048,seq=4096 (default: the model's own)")
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     from tv_ray.api import verify
     from tv_ray.diagnose import explain
+    recipe = [flag for flag in args.model_flags if flag != "--model"]     # they build a plan: never ignore them
+    them = "it" if len(recipe) == 1 else "them"
     if args.resume is not None:
         if args.plan is not None or args.model is not None:
             print("tv-ray verify: --resume OUT continues the run recorded in OUT; give no plan or --model",
                   file=sys.stderr)
             return 2
+        if recipe:
+            print(f"tv-ray verify: --resume OUT continues with the plan recorded in OUT; {', '.join(recipe)} "
+                  f"(for building a plan with --model) would be ignored: drop {them}", file=sys.stderr)
+            return 2
         args.output = args.output or args.resume
     elif (args.plan is None) == (args.model is None):
         print("tv-ray verify: give a plan file or --model NAME --parallel SPEC (not both)", file=sys.stderr)
+        return 2
+    elif args.plan is not None and recipe:
+        print(f"tv-ray verify: the plan file {args.plan} is verified as written; {', '.join(recipe)} (for "
+              f"building a plan with --model) would be ignored: drop {them}, or give --model NAME instead of the "
+              f"plan file", file=sys.stderr)
         return 2
     elif args.output is None:
         print("tv-ray verify: -o OUT is required (where the certificate or report goes)", file=sys.stderr)
@@ -52,7 +112,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     try:
         result = verify(args.plan or args.model, args.parallel, optim=args.optim, clip=args.clip, sp=args.sp,
-                        zero=args.zero, solvers=tuple(args.solvers.split(",")), timeout=args.timeout,
+                        zero=args.zero, dims=parse_dims(args.dims) or None, tied=args.tied,
+                        solvers=tuple(args.solvers.split(",")), timeout=args.timeout,
                         jobs=args.jobs, progress=False if args.quiet else None, seed=args.seed,
                         symmetry=not args.no_symmetry, engine=args.engine, address=args.address,
                         checkpoint=args.output, resume=args.resume is not None,
@@ -115,16 +176,13 @@ def cmd_explain(args: argparse.Namespace) -> int:
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     verify = sub.add_parser("verify", help="prove a plan equals the single-device step, or locate the bug",
                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    verify.add_argument("plan", nargs="?", help="a plan file (tv-ray-plan/1)")
-    verify.add_argument("--model", choices=list_models(), metavar="NAME", help="build the plan from a model")
-    verify.add_argument("--parallel", metavar="SPEC", help="degrees, e.g. dp=2,tp=2,pp=2,mb=2")
-    verify.add_argument("--sp", action="store_true", help="sequence parallel (with --model)")
-    verify.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage (with --model)")
-    verify.add_argument("--optim", choices=("sgd", "adamw"), default="adamw", help="optimizer (with --model)")
-    verify.add_argument("--clip", type=float, default=1.0, metavar="NORM", help="global-norm clip (with --model)")
+    verify.add_argument("plan", nargs="?", help="a plan file (tv-ray-plan/1), or build one with --model below")
+    add_model_flags(verify.add_argument_group("building the plan from a model (instead of a plan file)"),
+                    required=False, optim="adamw", clip=1.0)
     verify.add_argument("-o", "--output", metavar="OUT", help="directory for the certificate/report and checkpoint")
     verify.add_argument("--solvers", default="z3,cvc5,yices", help="tier 2 portfolio (default z3,cvc5,yices)")
-    verify.add_argument("--timeout", type=float, default=10.0, metavar="S", help="per-equation solver timeout")
+    verify.add_argument("--timeout", type=float, default=10.0, metavar="S",
+                        help="per-equation solver timeout (default: %(default)s)")
     verify.add_argument("--engine", choices=ENGINES, default="ray",
                         help="ray: solver actors on Ray (default); local: this process or --jobs processes")
     verify.add_argument("--address", metavar="HOST:PORT", default=None,
@@ -138,7 +196,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     verify.add_argument("--shards", choices=("auto", "on", "off"), default="auto",
                         help="generate the stages one pipeline stage per shard, in parallel (auto: for plans of "
                              "a million ops or more)")
-    verify.add_argument("--seed", type=int, default=0, help="seed of the concrete runs and random points")
+    verify.add_argument("--seed", type=int, default=0,
+                        help="seed of the concrete runs and random points (default: %(default)s)")
     verify.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
     verify.set_defaults(func=cmd_verify)
     check = sub.add_parser("check", help="re-validate a certificate independently")
@@ -152,4 +211,4 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     explain.set_defaults(func=cmd_explain)
 
 
-__all__ = ["add_parsers", "cmd_verify", "cmd_check", "cmd_explain", "EXIT"]
+__all__ = ["add_parsers", "add_model_flags", "cmd_verify", "cmd_check", "cmd_explain", "EXIT"]

@@ -6,7 +6,8 @@ microbatch, the physical tensor and the logical slice it should equal. The
 numbers are replayed through the concrete float64 semantics of both graphs
 (the runs claims were matched on), never taken from a solver model alone: a
 run is reported as refuted only if some program output there really differs
-from its output lineage (soundness rule 5). When the stage's physical value
+from its output lineage (soundness rule 5: `Outcome.status` decides that; the report repeats the
+outcome's status and never changes it). When the stage's physical value
 is a constant multiple of (or offset from) the logical one, the report says
 so — "physical = 2 × logical" is a sum where a mean was meant, or a missing
 division.
@@ -20,12 +21,10 @@ import itertools
 
 import numpy as np
 
-from tv_ray.engine.driver import Outcome
+from tv_ray.certificate.outcome import Outcome, Status, replay_stage
 from tv_ray.partition.claims import ConcreteRun, group_value
-from tv_ray.simulate import max_abs_deviation
 from tv_ray.partition.stages import Obligation
 
-TOL = 1e-9
 SHOW = 6   # elements shown per tensor
 
 
@@ -110,7 +109,7 @@ PHASES = {"fwd": "forward", "bwd": "backward", "optim": "optimizer step"}
 def diagnose(outcome: Outcome) -> dict:
     """The report of a run that is not proved: the first refuted stage with replayed values, or what stayed open."""
     counts = outcome.counts()
-    report: dict = {"format": "tv-ray-report/1", "status": outcome.status, "model": outcome.plan.model,
+    report: dict = {"format": "tv-ray-report/1", "status": outcome.status.value, "model": outcome.plan.model,
                     "counts": counts, "tiers": outcome.tiers(), "dims": outcome.reduction.reduced,
                     "problems": outcome.problems[:20]}
     if outcome.failure:
@@ -123,18 +122,14 @@ def diagnose(outcome: Outcome) -> dict:
                               f"problem(s)" if open_ or outcome.problems else
                               f"all {counts['obligations']} obligations ({counts['unique']} unique) proved; loss, "
                               f"every gradient and every updated parameter and state are covered")
-        report["open"] = [{"stage": o.id, "module": o.module, "phase": o.phase, "tensor": o.tensor,
+        report["open"] = [{"stage": str(o.id), "module": o.module, "phase": o.phase, "tensor": o.tensor,
                            "logical": o.claim.describe(), "reason": outcome.verdict_of(o).reason}
                           for o in sorted(open_, key=lambda o: o.position)[:20]]
         return report
-    deviations = outcome.deviations
     stage = _stage_report(outcome, ob)
-    confirmed = bool(deviations) or stage.get("max_abs_dev", 0) > TOL * 10
-    if not confirmed:
-        report["status"] = "unknown"
-        report["headline"] = (f"stage {ob.id} is refuted symbolically, but no program output differs from the "
-                              f"logical step in the concrete runs; not reported as a bug")
-        report["stage"] = stage
+    report["stage"] = stage
+    if outcome.status is not Status.REFUTED:
+        report["headline"] = outcome.unconfirmed
         return report
     where = f"{ob.module or 'model'} ({PHASES.get(ob.phase, ob.phase or 'step')})"
     mb = f", microbatch {ob.mb}" if ob.mb is not None else ""
@@ -143,30 +138,21 @@ def diagnose(outcome: Outcome) -> dict:
                           f"rank{'s' if len(ob.ranks) > 1 else ''} {ranks}{mb}: {ob.program}.{ob.tensor} "
                           f"should equal {ob.claim.describe()}" + (f" — {stage['factor']}" if stage.get("factor")
                                                                     else ""))
-    report["stage"] = stage
-    report["outputs_wrong"] = deviations[:20]
-    report["outputs_wrong_count"] = len(deviations)
+    report["outputs_wrong"] = outcome.deviations[:20]
+    report["outputs_wrong_count"] = len(outcome.deviations)
     return report
 
 
 def _stage_report(outcome: Outcome, ob: Obligation) -> dict:
     verdict = outcome.verdict_of(ob)
-    out: dict = {"id": ob.id, "ranks": list(ob.ranks), "microbatch": ob.mb, "program": ob.program,
+    out: dict = {"id": str(ob.id), "ranks": list(ob.ranks), "microbatch": ob.mb, "program": ob.program,
                  "tensor": ob.tensor, "op": ob.op, "module": ob.module, "phase": ob.phase,
                  "realises": ob.realises, "logical": ob.claim.describe(), "claim": ob.claim.to_json(),
-                 "verdict": verdict.to_json(), "reads": list(ob.reads)}
-    best = None
-    for i, run in enumerate(outcome.runs):
-        p = group_value(run, ob.ranks, ob.tensor)
-        if p is None:
-            continue
-        logical = run.logical[ob.claim.logical][ob.claim.slices()]
-        dev = max_abs_deviation(p, logical)
-        if best is None or dev > best[0]:
-            best = (dev, i, p, logical)
+                 "verdict": verdict.to_json(), "reads": list(map(str, ob.reads))}
+    best = replay_stage(outcome.runs, ob)
     if best is not None:
-        dev, i, p, logical = best
-        out.update(run=i, max_abs_dev=dev, physical_values=_values(p), logical_values=_values(logical))
+        i, p, logical = best.run, best.physical, best.logical
+        out.update(run=i, max_abs_dev=best.deviation, physical_values=_values(p), logical_values=_values(logical))
         factor = _factor(np.asarray(p, dtype=np.float64), np.asarray(logical, dtype=np.float64)) or \
             _missing_reduction(outcome, ob, outcome.runs[i], logical)
         if factor:
@@ -174,11 +160,10 @@ def _stage_report(outcome: Outcome, ob: Obligation) -> dict:
         run = outcome.runs[i]
         inputs = {}
         for src in ob.reads[:6]:
-            rank_s, _, tensor = src.removeprefix("in:").partition("/")
-            if rank_s.startswith("r"):
-                v = run.ranks[int(rank_s[1:])].get(tensor)
+            if src.kind in ("in", "r"):
+                v = run.ranks[src.ranks[0]].get(src.tensor)
                 if v is not None:
-                    inputs[src] = _values(v)
+                    inputs[str(src)] = _values(v)
         out["input_values"] = inputs
     suspect = _suspect(outcome, ob)
     if suspect:

@@ -14,12 +14,11 @@ from collections import defaultdict, deque
 
 import numpy as np
 
-from tv_ray.errors import CommunicationError, SimulationError, TvRayError
-from tv_ray.ir import Graph, Node, Op
+from tv_ray.errors import Asymmetric, CommunicationError, SimulationError, TvRayError
+from tv_ray.ir import Graph, Node, Op, describe
 from tv_ray.ir.ops import COLLECTIVES
 from tv_ray.plan import Plan
 from tv_ray.semantics import Context, eval_node, rule_for
-from tv_ray.semantics.interpret import describe as describe_node
 from tv_ray.semantics.table import dtype_name, instantiate_shape
 
 TOKEN = np.zeros(0)   # the value of a send: nothing
@@ -51,7 +50,9 @@ class Scheduler:
 
     def __init__(self, plan: Plan, dims: dict[str, int], rank_inputs: list[dict[str, np.ndarray]],
                  keep: bool = False):
+        """`keep`: every value stays in its rank's `env` and `order` lists (rank, tensor) as each is produced."""
         self.plan, self.dims = plan, dims
+        self.order: list[tuple[int, str]] | None = [] if keep else None
         names, ids = plan.rank_programs()
         self.frees = {name: _frees(plan.programs[name], keep) for name in set(names[i] for i in ids)}
         self.ranks = [_Rank(r, names[ids[r]], plan.programs[names[ids[r]]], rank_inputs[r],
@@ -96,16 +97,21 @@ class Scheduler:
 
     def _advance(self, state: _Rank, node: Node, value: np.ndarray) -> None:
         state.env[node.name] = value
+        if self.order is not None:
+            self.order.append((state.rank, node.name))
         for name in self.frees[state.name][state.pc]:
             del state.env[name]
         state.pc += 1
 
     def _fail(self, state: _Rank, node: Node, err: Exception) -> SimulationError:
-        return SimulationError(f"{self.plan.describe(state.rank)} at {state.where()} ({describe_node(node)}): {err}")
+        return SimulationError(f"{self.plan.describe(state.rank)} at {state.where()} ({describe(node)}): {err}",
+                               rank=state.rank, node=node.name)
 
     def _compute(self, state: _Rank, node: Node) -> bool:
         try:
             value = self.evaluate(state, node, [state.env[a] for a in node.args])
+        except Asymmetric:
+            raise   # the symbolic domain's control flow (the run is repeated in full), not a failed op
         except (TvRayError, ArithmeticError, ValueError, IndexError, TypeError) as err:
             raise self._fail(state, node, err) from err
         self._advance(state, node, value)
@@ -137,21 +143,25 @@ class Scheduler:
                 f"mismatched collectives on the {'×'.join(group[0])} group {list(members)} (collective "
                 f"#{slot[1] + 1} there): {self.plan.describe(first.rank)} runs {first.where()} "
                 f"{_op_text(first.program.nodes[first.pc])}, {self.plan.describe(state.rank)} runs "
-                f"{state.where()} {_op_text(node)}")
+                f"{state.where()} {_op_text(node)}", rank=state.rank, node=node.name)
         arrived[state.rank] = state.env[node.args[0]]
         if len(arrived) < len(members):
             return False
         try:
             results = self.evaluate_group(node, members, [arrived[m] for m in members])
+        except Asymmetric:
+            raise   # as in _compute
         except (TvRayError, ValueError) as err:
-            raise SimulationError(f"{_op_text(node)} on the group {list(members)} at {state.where()}: {err}") from err
+            raise SimulationError(f"{_op_text(node)} on the group {list(members)} at {state.where()}: {err}",
+                                  rank=state.rank, node=node.name) from err
         del self.arrived[slot]
         for member, value in zip(members, results):
             peer = self.ranks[member]
             stated = instantiate_shape(peer.program.nodes[peer.pc].shape, self.dims)
             if value.shape != stated:
                 raise CommunicationError(f"{self.plan.describe(member)} at {peer.where()}: {_op_text(node)} gives shape "
-                                      f"{value.shape} but the op states {stated}")
+                                         f"{value.shape} but the op states {stated}",
+                                         rank=member, node=peer.program.nodes[peer.pc].name)
             peer.issued[group] += 1
             self._advance(peer, peer.program.nodes[peer.pc], value)
         return True
@@ -173,9 +183,9 @@ class Scheduler:
         value, sent_at, extra = queue.popleft()
         want = instantiate_shape(node.attr["size"], self.dims)
         if value.shape != want or self.dtype_of(value) not in (None, node.attr["dtype"]):
-            raise CommunicationError(f"{self.plan.describe(state.rank)} at {state.where()} ({describe_node(node)}) "
+            raise CommunicationError(f"{self.plan.describe(state.rank)} at {state.where()} ({describe(node)}) "
                                      f"expects {node.attr['dtype']} {want} but {sent_at} sent "
-                                     f"{self.dtype_of(value) or ''} {value.shape}")
+                                     f"{self.dtype_of(value) or ''} {value.shape}", rank=state.rank, node=node.name)
         self.receive_extra(extra)
         self._advance(state, node, value)
         return True

@@ -2,29 +2,26 @@
 
 `check_plan(plan)` raises a one-line `PlanError` starting with the JSON path
 of the first problem. Work is organised so a plan of 8,192 ranks costs about
-what its ~16 distinct programs cost: programs are linted once each; lineage is
+what its ~16 distinct programs cost: programs are type-checked once each; lineage is
 checked per (entry, program) pair, with the ranks an entry selects held as a
 numpy mask; coverage of logical outputs is computed on intervals.
 """
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from typing import Iterable
 
 import numpy as np
 
-from tv_ray.errors import PlanError, TvRayError
+from tv_ray.errors import GraphError, PlanError, TvRayError
 from tv_ray.ir import Expr, Graph, Node
-from tv_ray.ir.lint import lint
 from tv_ray.ir.ops import ATTRS, COMMUNICATION, RANK_DEPENDENT
 from tv_ray.plan import Fixed, Lineage, Plan, gc_paused
-from tv_ray.semantics import Context
+from tv_ray.semantics import Context, check_graph
 
 # Ops that name mesh axes; none of them may appear in the logical graph.
 _MESH_OPS = COMMUNICATION | RANK_DEPENDENT
 assert all("axes" in ATTRS[op] or "peer" in ATTRS[op] for op in _MESH_OPS)
-_LINT_NODE = re.compile(r"node (\S+) = ")
 
 
 class _Sizes:
@@ -40,7 +37,7 @@ class _Sizes:
             try:
                 value = expr.eval(self.dims)
             except TvRayError as err:
-                raise PlanError(f"{path}: {err}") from None
+                raise _error(path, str(err)) from None
             self._memo[expr] = value
         return value
 
@@ -70,39 +67,42 @@ def _check_graph(plan: Plan, graph: Graph, path: str, sizes: _Sizes, logical: bo
         if spec.high is not None:
             sizes(spec.high, f"{path}.inputs[{i}].high")
         elif logical and spec.dtype == "int":
-            raise PlanError(f"{path}.inputs[{i}].high: int input {spec.name!r} needs `high` "
-                            f"(its values lie in [0, high))")
+            raise _error(f"{path}.inputs[{i}].high", f"int input {spec.name!r} needs `high` "
+                                                     f"(its values lie in [0, high))")
     mesh = plan.axis_sizes
-    for i, node in enumerate(graph.nodes):   # node shapes are evaluated by lint, which names the node
+    for i, node in enumerate(graph.nodes):   # node shapes are evaluated by check_graph, which names the node
         if node.op not in _MESH_OPS:
             continue
         if logical:
-            raise PlanError(f"{path}.ops[{i}].op: {node.op} belongs to rank programs; the logical graph "
-                            f"is one device's step")
+            raise _error(f"{path}.ops[{i}].op", f"{node.op} belongs to rank programs; the logical graph "
+                                                f"is one device's step")
         attrs = node.attr
         axes = attrs.get("axes", ())
         for axis in axes + tuple(axis for axis, _ in attrs.get("peer", ())):
             if axis not in mesh:
                 key = "axes" if axis in axes else "peer"
-                raise PlanError(f"{path}.ops[{i}].attrs.{key}: axis {axis!r} is not in the mesh "
-                                f"({', '.join(plan.axes)})")
+                raise _error(f"{path}.ops[{i}].attrs.{key}", f"axis {axis!r} is not in the mesh "
+                                                             f"({', '.join(plan.axes)})")
         if len(set(axes)) != len(axes):
-            raise PlanError(f"{path}.ops[{i}].attrs.axes: an axis is listed twice")
-    _lint(plan, graph, path, sizes.dims, logical)
+            raise _error(f"{path}.ops[{i}].attrs.axes", "an axis is listed twice")
+    _check_nodes(plan, graph, path, sizes.dims, logical)
 
 
-def _lint(plan: Plan, graph: Graph, path: str, dims: dict[str, int], logical: bool) -> None:
+def _check_nodes(plan: Plan, graph: Graph, path: str, dims: dict[str, int], logical: bool) -> None:
     try:
-        lint(graph, dims=dims, ctx=Context(plan.axis_sizes, {}), allow_comm=not logical)
-    except TvRayError as err:
-        raise PlanError(f"{_node_path(graph, path, err)}: {err}") from None
+        check_graph(graph, dims=dims, ctx=Context(plan.axis_sizes, {}), allow_comm=not logical)
+    except GraphError as err:
+        # an error about one op names it in `node`; a `check_names` error carries its own path in the message
+        where = path if err.node is None or err.path is not None else \
+            f"{path}.ops[{next(i for i, n in enumerate(graph.nodes) if n.name == err.node)}]"
+        raise PlanError(f"{where}: {err}", path=where, node=err.node) from None
+    except TvRayError as err:   # an input shape that does not evaluate at these dims, an op without rules
+        raise _error(path, str(err)) from None
 
 
-def _node_path(graph: Graph, path: str, err: TvRayError) -> str:
-    """The JSON path of the node a lint error names (lint messages start with ``node <name> = ``)."""
-    match = _LINT_NODE.match(str(err))
-    names = [i for i, node in enumerate(graph.nodes) if match and node.name == match.group(1)]
-    return f"{path}.ops[{names[0]}]" if names else path
+def _error(path: str, message: str) -> PlanError:
+    """The one-line error of plan validation: ``<JSON path>: <message>``, the path also as a field."""
+    return PlanError(f"{path}: {message}", path=path)
 
 
 def _check_peers(plan: Plan) -> None:
@@ -119,8 +119,9 @@ def _check_peers(plan: Plan) -> None:
                 outside = (target < 0) | (target >= mesh[axis])
                 if outside.any():
                     rank = int(ranks[np.argmax(outside)])
-                    raise PlanError(f"programs.{name}.ops[{i}].attrs.peer: {plan.describe(rank)} has no peer at "
-                                    f"{axis}{offset:+d} ({axis} has {mesh[axis]} positions)")
+                    raise _error(f"programs.{name}.ops[{i}].attrs.peer",
+                                 f"{plan.describe(rank)} has no peer at {axis}{offset:+d} "
+                                 f"({axis} has {mesh[axis]} positions)")
 
 
 # -- lineage ------------------------------------------------------------------------------------
@@ -164,41 +165,41 @@ class _LineageCheck:
         axes_text = ", ".join(plan.axes)
         for axis, coord in entry.where:
             if axis not in mesh:
-                raise PlanError(f"{path}.where.{axis}: axis {axis!r} is not in the mesh ({axes_text})")
+                raise _error(f"{path}.where.{axis}", f"axis {axis!r} is not in the mesh ({axes_text})")
             if not 0 <= coord < mesh[axis]:
-                raise PlanError(f"{path}.where.{axis}: coordinate {coord} is outside the mesh "
-                                f"({axis} has {mesh[axis]} positions)")
+                raise _error(f"{path}.where.{axis}", f"coordinate {coord} is outside the mesh "
+                                                     f"({axis} has {mesh[axis]} positions)")
         if entry.logical not in logical_shapes:
             what = "is not a tensor" if logical_shapes is not self.logical_shapes else \
                 "is neither an input nor an output"
-            raise PlanError(f"{path}.logical: {entry.logical!r} {what} of the logical graph")
+            raise _error(f"{path}.logical", f"{entry.logical!r} {what} of the logical graph")
         used: list[str] = []
         shape = list(logical_shapes[entry.logical])
         for j, (dim, factors) in enumerate(entry.slice):
             where = f"{path}.slice[{j}]"
             if dim >= len(shape):
-                raise PlanError(f"{where}.dim: {entry.logical!r} has {len(shape)} dimensions, no dim {dim}")
+                raise _error(f"{where}.dim", f"{entry.logical!r} has {len(shape)} dimensions, no dim {dim}")
             if any(d == dim for d, _ in entry.slice[:j]):
-                raise PlanError(f"{where}.dim: dim {dim} is sliced twice")
+                raise _error(f"{where}.dim", f"dim {dim} is sliced twice")
             for k, factor in enumerate(factors):
                 if isinstance(factor, str) and factor not in mesh:
-                    raise PlanError(f"{where}.split[{k}]: axis {factor!r} is not in the mesh ({axes_text})")
+                    raise _error(f"{where}.split[{k}]", f"axis {factor!r} is not in the mesh ({axes_text})")
                 used += [factor] if isinstance(factor, str) else []
             chunks = plan.chunks(factors)
             if shape[dim] % chunks:
-                raise PlanError(f"{where}.split: dim {dim} of {entry.logical!r} has size {shape[dim]}, "
-                                f"which does not split into {chunks} equal chunks")
+                raise _error(f"{where}.split", f"dim {dim} of {entry.logical!r} has size {shape[dim]}, "
+                                               f"which does not split into {chunks} equal chunks")
             shape[dim] //= chunks
         for axis in entry.partial:
             if axis not in mesh:
-                raise PlanError(f"{path}.partial: axis {axis!r} is not in the mesh ({axes_text})")
+                raise _error(f"{path}.partial", f"axis {axis!r} is not in the mesh ({axes_text})")
             if any(a == axis for a, _ in entry.where):
-                raise PlanError(f"{path}.partial: axis {axis!r} is pinned by `where`; a partial group spans "
-                                f"the whole axis")
+                raise _error(f"{path}.partial", f"axis {axis!r} is pinned by `where`; a partial group spans "
+                                                f"the whole axis")
         used += list(entry.partial)
         for axis in set(used):
             if used.count(axis) > 1:
-                raise PlanError(f"{path}: axis {axis!r} is used twice in the slice and partial axes")
+                raise _error(path, f"axis {axis!r} is used twice in the slice and partial axes")
         check = self.entry_in_program if path.startswith("lineage") else self.interior_in_program
         for pid in self.programs_selected(entry):
             check(path, entry, pid, tuple(shape))
@@ -210,13 +211,13 @@ class _LineageCheck:
         node = program.value(entry.tensor) if entry.tensor in program else None
         if not isinstance(node, Node):
             rank = int(np.argmax(self.plan.selects(entry) & (self.ids == pid)))
-            raise PlanError(f"{path}.tensor: {self.plan.describe(rank)} runs {name!r}, which has no op "
-                            f"{entry.tensor!r}")
+            raise _error(f"{path}.tensor", f"{self.plan.describe(rank)} runs {name!r}, which has no op "
+                                           f"{entry.tensor!r}")
         have = self.sizes.shape(node.shape, f"programs.{name}: {entry.tensor}.shape")
         if have != local or node.dtype != "float" or self.plan.logical.dtype_of(entry.logical) != "float":
-            raise PlanError(f"{path}: {entry.tensor!r} in program {name!r} is {node.dtype} {_fmt(have)}, but its "
-                            f"slice of {entry.logical!r} is {self.plan.logical.dtype_of(entry.logical)} "
-                            f"{_fmt(local)}")
+            raise _error(path, f"{entry.tensor!r} in program {name!r} is {node.dtype} {_fmt(have)}, but its "
+                               f"slice of {entry.logical!r} is {self.plan.logical.dtype_of(entry.logical)} "
+                               f"{_fmt(local)}")
 
     def entry_in_program(self, path: str, entry: Lineage, pid: int, local: tuple[int, ...]) -> None:
         name = self.names[pid]
@@ -224,27 +225,27 @@ class _LineageCheck:
         is_input = any(spec.name == entry.tensor for spec in program.inputs)
         if is_input:
             if entry.logical not in self.logical_inputs:
-                raise PlanError(f"{path}.logical: program input {entry.tensor!r} of {name!r} must come from a "
-                                f"logical input; {entry.logical!r} is a logical output")
+                raise _error(f"{path}.logical", f"program input {entry.tensor!r} of {name!r} must come from a "
+                                                f"logical input; {entry.logical!r} is a logical output")
             if entry.partial:
-                raise PlanError(f"{path}.partial: program input {entry.tensor!r} of {name!r} is a whole value, "
-                                f"not a partial sum")
+                raise _error(f"{path}.partial", f"program input {entry.tensor!r} of {name!r} is a whole value, "
+                                                f"not a partial sum")
             value = program.value(entry.tensor)
         elif entry.tensor in program.output_map:
             value = program.value(program.output_map[entry.tensor])
         else:
             rank = int(np.argmax(self.plan.selects(entry) & (self.ids == pid)))
-            raise PlanError(f"{path}.tensor: {self.plan.describe(rank)} runs {name!r}, which has no input or "
-                            f"output {entry.tensor!r}")
+            raise _error(f"{path}.tensor", f"{self.plan.describe(rank)} runs {name!r}, which has no input or "
+                                           f"output {entry.tensor!r}")
         have = self.sizes.shape(value.shape, f"programs.{name}: {entry.tensor}.shape")
         if have != local:
-            raise PlanError(f"{path}: {entry.tensor!r} in program {name!r} has shape {_fmt(have)}, but its slice of "
-                            f"{entry.logical!r} has shape {_fmt(local)}")
+            raise _error(path, f"{entry.tensor!r} in program {name!r} has shape {_fmt(have)}, but its slice of "
+                               f"{entry.logical!r} has shape {_fmt(local)}")
         logical_dtype = (self.logical_inputs[entry.logical].dtype if entry.logical in self.logical_inputs
                          else self.plan.logical.dtype_of(self.logical_outputs[entry.logical]))
         if value.dtype != logical_dtype:
-            raise PlanError(f"{path}: {entry.tensor!r} in program {name!r} is {value.dtype}, but "
-                            f"{entry.logical!r} is {logical_dtype}")
+            raise _error(path, f"{entry.tensor!r} in program {name!r} is {value.dtype}, but "
+                               f"{entry.logical!r} is {logical_dtype}")
 
     def inputs_have_one_entry(self, by_tensor: dict[str, list[int]]) -> None:
         """Every program input on every rank running the program has exactly one entry."""
@@ -269,8 +270,9 @@ class _LineageCheck:
                     found = [f"lineage[{i}]" for i in entries
                              if all(coords[a] == c for a, c in lineage[i].where)]
                     what = "no lineage entry" if not found else f"{len(found)} lineage entries ({', '.join(found)})"
-                    raise PlanError(f"programs.{name}.inputs[{k}]: {self.plan.describe(rank)} has {what} for "
-                                    f"input {spec.name!r}; each program input needs exactly one")
+                    raise _error(f"programs.{name}.inputs[{k}]",
+                                 f"{self.plan.describe(rank)} has {what} for input {spec.name!r}; "
+                                 f"each program input needs exactly one")
 
     def outputs_covered(self) -> None:
         """Each logical output is covered, element by element, by the output slices of some ranks."""
@@ -284,8 +286,8 @@ class _LineageCheck:
             if gap is not None:
                 held = "no output lineage entry names it" if not by_logical.get(out) else \
                     f"no rank holds {out}[{', '.join(f'{a}:{b}' for a, b in gap)}]"
-                raise PlanError(f"logical.outputs.{out}: not covered by output lineage ({held}); "
-                                f"shape {_fmt(shape)}")
+                raise _error(f"logical.outputs.{out}", f"not covered by output lineage ({held}); "
+                                                       f"shape {_fmt(shape)}")
 
 
 def _fmt(shape: tuple[int, ...]) -> str:

@@ -98,7 +98,7 @@ def _draw(spec: TensorSpec, shape: tuple[int, ...], dims: dict[str, int], rng: n
     return rng.standard_normal(size=shape)
 
 
-def _rank_inputs(plan: Plan, logical_values: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+def rank_inputs(plan: Plan, logical_values: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
     """Each rank's program inputs: the logical slice its (unique, validated) input lineage entry names."""
     names, ids = plan.rank_programs()
     inputs: list[dict[str, np.ndarray]] = [{} for _ in range(plan.num_ranks)]
@@ -144,7 +144,7 @@ def _compare(plan: Plan, outputs: list[dict[str, np.ndarray]], reference: dict[s
             if physical.shape != expected.shape:
                 raise SimulationError(f"{plan.describe(rank)}: output {entry.tensor!r} of {names[ids[rank]]!r} has "
                                       f"shape {physical.shape}, but its slice of {entry.logical!r} has shape "
-                                      f"{expected.shape}")
+                                      f"{expected.shape}", rank=rank)
             dev = max_abs_deviation(physical, expected)
             if dev > result.deviation.get(entry.logical, -1.0):
                 result.deviation[entry.logical] = dev
@@ -167,9 +167,9 @@ def simulate(plan: Plan, seed: int = 0, dims: dict[str, int] | None = None) -> S
     logical_inputs = draw_inputs(plan.logical, run_dims, rng)
     reference = dict(logical_inputs)
     reference.update(run_graph(plan.logical, run_dims, logical_inputs))
-    rank_inputs = _rank_inputs(plan, logical_inputs)
+    inputs = rank_inputs(plan, logical_inputs)
     del logical_inputs
-    outputs = Scheduler(plan, run_dims, rank_inputs).run()
+    outputs = Scheduler(plan, run_dims, inputs).run()
     result = SimResult(plan.model, seed, plan.num_ranks, run_dims,
                        group_of={out: output_group(out, plan.logical) for out, _ in plan.logical.outputs})
     _compare(plan, outputs, reference, result)
@@ -185,7 +185,7 @@ def _run_dims(plan: Plan, dims: dict[str, int] | None) -> dict[str, int]:
     run = dict(plan.dims)
     for name, value in (dims or {}).items():
         if name not in run:
-            raise PlanError(f"dims.{name}: not a dimension of the plan ({', '.join(run)})")
+            raise PlanError(f"dims.{name}: not a dimension of the plan ({', '.join(run)})", path=f"dims.{name}")
         run[name] = value
     return run
 

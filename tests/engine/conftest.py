@@ -10,12 +10,6 @@ from certificates import GRID_SUBSET  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def tiny_dp2_plan():
-    graph = api.capture_step("llama3-tiny", optim="adamw", clip=1.0)
-    return api.parallelize(graph, "dp=2", model="llama3-tiny")
-
-
-@pytest.fixture(scope="session")
 def grid_local(tmp_path_factory):
     """`grid_local(i)` -> (plan, certificate dir) of `GRID_SUBSET[i]` verified by the local executor, built once
     per session: the certificate every engine must reproduce."""

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from tv_ray import api
-from tv_ray.engine.driver import _batches, obligations_of
+from tv_ray.engine.driver import _batches
+from tv_ray.partition.derive import derive
 from tv_ray.engine.executor import LocalExecutor, SolveTask
 from tv_ray.engine.ray_executor import RayExecutor
 
@@ -60,7 +61,7 @@ def test_a_three_node_cluster_gives_the_certificate_of_the_local_executor(i, clu
 
 def test_a_worker_node_removed_mid_run_loses_no_work(cluster, plan, tmp_path):
     head, workers = cluster
-    part = obligations_of(plan)[3]
+    part = derive(plan).partition
     tasks = [SolveTask.make(key, lhs, rhs) for key, (lhs, rhs) in part.formulas.items()]
     expected = dict(LocalExecutor().run(_batches(tasks, 64), BUDGET))
     executor = RayExecutor(actors=6, batch=8, cpus_per_actor=0.5, solve=faults.logs_pids(str(tmp_path / "calls")))

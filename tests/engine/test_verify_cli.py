@@ -2,9 +2,13 @@
 import json
 from dataclasses import replace
 
+import pytest
+
 from tv_ray.api import verify
-from tv_ray.cli import main
+from tv_ray.cli import build_parser, main
+from tv_ray.errors import ParallelConfigError
 from tv_ray.ir import Graph, Node
+from tv_ray.plan import Plan
 
 
 def _drop_a_gradient_all_reduce(plan):
@@ -91,3 +95,50 @@ def test_shards_on_generates_one_pipeline_stage_per_shard_and_the_checker_follow
     assert manifest["stage_dag"]["shards"] == 2 and manifest["settings"]["shards"] is True
     assert manifest["symmetry"]["notes"] == []
     assert main(["check", str(tmp_path / "out"), "--sample", "5"]) == 0
+
+
+def test_verify_model_builds_its_plan_at_the_given_dims(tmp_path):
+    """`--dims` reaches the plan `verify --model` builds (llama3-tiny's own batch is 8)."""
+    assert main(["verify", "--model", "llama3-tiny", "--parallel", "dp=2", "--dims", "batch=4", "-o",
+                 str(tmp_path / "out"), "-q", "--engine", "local"]) == 0
+    manifest = json.loads((tmp_path / "out" / "certificate.json").read_text())
+    assert manifest["plan"]["path"] == "plan.json" and manifest["plan"]["mesh"] == {"dp": 2}
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    assert plan["dims"]["batch"] == 4 and plan["dims"]["seq"] == 16
+
+
+def test_verify_model_untied_reaches_the_plan(tmp_path):
+    """gpt2-tiny ties its head to the embedding; `--untied` gives the plan a separate lm_head weight."""
+    assert main(["verify", "--model", "gpt2-tiny", "--parallel", "dp=2", "--untied", "-o", str(tmp_path / "out"),
+                 "-q", "--engine", "local"]) == 0
+    inputs = {spec.name for spec in Plan.load(tmp_path / "out" / "plan.json").logical.inputs}
+    assert {"wte.weight", "lm_head.weight", "exp_avg/lm_head.weight"} <= inputs
+
+
+def test_plan_and_verify_take_the_same_model_flags_with_their_own_defaults():
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices
+    flags = {name: {o: a for a in sub[name]._actions for o in a.option_strings} for name in ("plan", "verify")}
+    model = ["--model", "--parallel", "--sp", "--zero", "--tied", "--untied", "--optim", "--clip", "--dims"]
+    assert all(flags["plan"][o].help == flags["verify"][o].help or o == "--clip" for o in model)
+    assert [(flags[n]["--optim"].default, flags[n]["--clip"].default) for n in ("plan", "verify")] == \
+        [("sgd", None), ("adamw", 1.0)]
+    assert flags["plan"]["--model"].required and not flags["verify"]["--model"].required
+    assert "(default: 1.0)" in sub["verify"].format_help() and "(default: sgd)" in sub["plan"].format_help()
+
+
+def test_model_flags_with_a_plan_file_or_resume_are_refused_by_name(tmp_path, capsys):
+    plan = str(tmp_path / "plan.json")
+    assert main(["verify", plan, "-o", str(tmp_path / "o"), "--sp", "--dims", "batch=4", "--untied",
+                 "--optim", "adamw", "--sp"]) == 2
+    assert capsys.readouterr().err == (
+        f"tv-ray verify: the plan file {plan} is verified as written; --sp, --dims, --untied, --optim (for building "
+        "a plan with --model) would be ignored: drop them, or give --model NAME instead of the plan file\n")
+    assert main(["verify", "--resume", str(tmp_path / "o"), "--parallel", "dp=2"]) == 2
+    assert capsys.readouterr().err == ("tv-ray verify: --resume OUT continues with the plan recorded in OUT; "
+                                       "--parallel (for building a plan with --model) would be ignored: drop it\n")
+
+
+def test_the_api_refuses_model_arguments_with_a_plan(tiny_dp2_plan):
+    with pytest.raises(ParallelConfigError, match=r"^parallel, tied, dims build a plan from a model name; a plan "
+                                                  r"is verified as it is$"):
+        verify(tiny_dp2_plan, "dp=2", tied=False, dims={"batch": 4}, engine="local")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from tv_ray import api
-from tv_ray.engine.driver import claims_for
+from tv_ray.partition.derive import claims_for
 from tv_ray.reduce import reduce_plan
 
 

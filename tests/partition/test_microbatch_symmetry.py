@@ -62,7 +62,7 @@ def test_a_bug_in_one_microbatch_is_found_in_that_microbatch(mb4):
     outcome = _verify(mutant)
     first = outcome.first_refuted()
     assert outcome.status == "refuted" and outcome.partition.moved > 1000
-    assert (first.id, first.mb, first.module) == ("r0/mm_3@2", 2, "layers.0.attn.o_proj")
+    assert (str(first.id), first.mb, first.module) == ("r0/mm_3@2", 2, "layers.0.attn.o_proj")
 
 
 def test_a_bug_in_every_microbatch_is_found_at_microbatch_0_and_in_every_moved_copy(mb4):
@@ -71,8 +71,8 @@ def test_a_bug_in_every_microbatch_is_found_at_microbatch_0_and_in_every_moved_c
     mutant = with_program(plan, "main", edit(plan.programs["main"], "main", change=change))
     outcome = _verify(mutant)
     first = outcome.first_refuted()
-    assert outcome.status == "refuted" and (first.id, first.mb) == ("r0/mm_3@0", 0)
-    refuted = {o.id for o in outcome.partition.obligations if outcome.verdict_of(o).verdict == "refuted"}
+    assert outcome.status == "refuted" and (str(first.id), first.mb) == ("r0/mm_3@0", 0)
+    refuted = {str(o.id) for o in outcome.partition.obligations if outcome.verdict_of(o).verdict == "refuted"}
     assert {"r0/mm_3@1", "r0/mm_3@2", "r0/mm_3@3"} <= refuted
 
 
@@ -83,13 +83,13 @@ def test_a_microbatch_reading_another_microbatchs_activation_is_found(mb4):
     crossed = _like(mm, "mm_3@2", "mm", ["view_11@0", mm.args[1]])      # microbatch 0's input, not 2's
     outcome = _verify(with_program(plan, "main", edit(program, "main", change={"mm_3@2": crossed})))
     first = outcome.first_refuted()
-    assert outcome.status == "refuted" and (first.id, first.mb) == ("r0/mm_3@2", 2)
+    assert outcome.status == "refuted" and (str(first.id), first.mb) == ("r0/mm_3@2", 2)
 
 
 def test_gradient_accumulation_is_proved_as_microbatch_0s_contribution(mb4):
     plan, dims, claims = mb4
     moved = partition(plan, dims, claims)
-    stage = next(o for o in moved.obligations if o.id == "r0/t_22~15")      # layers.1.mlp.down_proj's gradient
+    stage = next(o for o in moved.obligations if str(o.id) == "r0/t_22~15")      # layers.1.mlp.down_proj's gradient
     lhs, rhs = moved.formulas[stage.key]
     assert moved.accumulated >= 20 and microbatch_moves(plan, dims, None, True).footprint(lhs + rhs) == ({0}, False)
 
@@ -104,7 +104,7 @@ def test_an_accumulation_that_adds_one_microbatch_twice_and_drops_the_last_is_re
     outcome = _verify(_accumulation_edited(mb4[0], {"t_22~15": ["t_22~14", "t_22@2"]}))
     first = outcome.first_refuted()
     assert outcome.status == "refuted" and outcome.partition.accumulated >= 20
-    assert (first.id, first.module, first.phase) == ("r0/t_22~15", "layers.1.mlp.down_proj", "bwd")
+    assert (str(first.id), first.module, first.phase) == ("r0/t_22~15", "layers.1.mlp.down_proj", "bwd")
 
 
 def test_a_wrong_contribution_in_every_microbatch_is_refuted_at_the_accumulated_gradient(mb4):
@@ -118,4 +118,4 @@ def test_a_wrong_contribution_in_every_microbatch_is_refuted_at_the_accumulated_
     outcome = _verify(with_program(plan, "main", edit(program, "main", change=change)))
     first = outcome.first_refuted()
     assert outcome.status == "refuted" and outcome.partition.accumulated >= 20
-    assert (first.id, first.module) == ("r0/t_22~15", "layers.1.mlp.down_proj")
+    assert (str(first.id), first.module) == ("r0/t_22~15", "layers.1.mlp.down_proj")

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from tv_ray import api
-from tv_ray.engine.driver import claims_for, obligations_of
+from tv_ray.partition.derive import Settings, claims_for, derive
 from tv_ray.partition.keys import formula_key
 from tv_ray.partition.generate import partition
 from tv_ray.reduce import reduce_plan
@@ -18,11 +18,11 @@ def plan():
 
 @pytest.fixture(scope="module")
 def derived(plan):
-    return obligations_of(plan, symmetry=False)     # every rank computed: keys must still coincide across slots
+    return derive(plan, Settings(symmetry=False))     # every rank computed: keys must still coincide across slots
 
 
 def test_boundary_claims_come_from_lineage_and_cover_every_output(plan, derived):
-    reduction, runs, claims, part, keys = derived
+    runs, claims, part = derived.runs, derived.claims, derived.partition
     outputs = {value for _, value in plan.logical.outputs}
     covered = {o.claim.logical for o in part.obligations if o.claim.boundary}
     assert outputs <= covered
@@ -33,7 +33,8 @@ def test_boundary_claims_come_from_lineage_and_cover_every_output(plan, derived)
 
 
 def test_dp_slots_share_keys(plan, derived):
-    _, _, _, part, keys = derived
+    part = derived.partition
+    keys = {ob.id: ob.key for ob in part.obligations}
     by_tensor = {}
     for ob in part.obligations:
         if len(ob.ranks) == 1:

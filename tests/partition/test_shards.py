@@ -8,10 +8,11 @@ import pytest
 
 from tests.engine.mutants import MUTANTS
 from tv_ray import api
-from tv_ray.engine.driver import claims_for, verify_plan
+from tv_ray.engine.driver import verify_plan
+from tv_ray.partition.derive import claims_for
 from tv_ray.engine.executor import LocalExecutor
 from tv_ray.partition.generate import merge, partition, pipeline_shards, run_shards
-from tv_ray.partition.stages import Unshardable
+from tv_ray.errors import Unshardable
 from tv_ray.partition.symmetry import find_mirrors, microbatch_moves
 from tv_ray.reduce import reduce_plan
 

@@ -17,7 +17,8 @@ from tv_ray.partition.generate import partition
 from tv_ray.partition.logical import LogicalTerms, atoms
 from tv_ray.partition.stages import Mirrored, SymbolicRun
 from tv_ray.terms import Kind
-from tv_ray.partition.symmetry import Asymmetric, Blocks, Tag, mirrors
+from tv_ray.errors import Asymmetric
+from tv_ray.partition.symmetry import Blocks, Tag, mirrors
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from mutants import _set_attrs, edit, with_program  # noqa: E402

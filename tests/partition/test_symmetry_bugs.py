@@ -35,7 +35,7 @@ def test_a_doubled_weight_gradient_is_refuted_against_block_0s_contribution(dp4)
     outcome = _verify(mutant)
     first = outcome.first_refuted()
     assert outcome.status == "refuted" and outcome.partition.mirrored > 2000
-    assert (first.id, first.ranks) == ("g0,1,2,3/mm_15", (0, 1, 2, 3))
+    assert (str(first.id), first.ranks) == ("g0,1,2,3/mm_15", (0, 1, 2, 3))
     assert mutant.logical.value("mm_15").op.value == "mm"
     assert diagnose(outcome)["stage"]["factor"].startswith("physical = 2 × logical")
 
@@ -49,5 +49,5 @@ def test_a_doubled_loss_on_every_dp_rank_is_refuted(dp4):
     outcome = _verify(mutant)
     first = outcome.first_refuted()
     assert outcome.status == "refuted" and outcome.partition.mirrored > 2000
-    assert (first.id, first.ranks) == ("g0,1,2,3/loss_x2", (0, 1, 2, 3))
+    assert (str(first.id), first.ranks) == ("g0,1,2,3/loss_x2", (0, 1, 2, 3))
     assert diagnose(outcome)["stage"]["factor"].startswith("physical = 2 × logical")

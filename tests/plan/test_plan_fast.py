@@ -7,11 +7,10 @@ import json
 
 import pytest
 
-from plan.mlp_plans import DIMS, dp_plan, mutated, pp_plan, tp_plan, zero_plan
-from tv_ray.errors import GraphError, PlanError
+from plan.mlp_plans import dp_plan, mutated, pp_plan, tp_plan, zero_plan
+from tv_ray.errors import PlanError
 from tv_ray.ir import Expr
 from tv_ray.ir.graph import Graph, Node, TensorSpec
-from tv_ray.ir.lint import lint
 from tv_ray.plan import FORMAT, Lineage, Plan, RankMap, dumps
 from tv_ray.plan_check import check_plan
 from tv_ray.semantics.shapes import known_le
@@ -103,18 +102,6 @@ def test_collector_is_restored_after_load_check_and_save(tmp_path):
         assert not gc.isenabled()     # a caller's choice is kept
     finally:
         gc.enable()
-
-
-def test_lint_memo_is_per_dims_and_keeps_no_failures():
-    x = TensorSpec("x", (Expr.of("n"),))
-    nodes = (Node.make("a", "view", ["x"], {"size": ["n/3", 3]}, ["n/3", 3]),
-             Node.make("b", "view", ["a"], {"size": ["n"]}, ["n"]),
-             Node.make("c", "view", ["b"], {"size": ["n/3", 3]}, ["n/3", 3]))
-    g = Graph((x,), nodes, (("out", "c"),), "g")
-    lint(g, {"n": 6})
-    with pytest.raises(GraphError) as err:
-        lint(g, {"n": 7})                 # the memo of n=6 is not reused; the first user of n/3 is named
-    assert str(err.value).startswith("node a = view(x): shape expression n/3 is not an integer at {'n': 7}: 7/3")
 
 
 def test_known_le_on_ints_agrees_with_the_polynomial_test():

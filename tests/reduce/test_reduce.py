@@ -9,7 +9,7 @@ import pytest
 import tv_ray
 from tv_ray.errors import ShapeError
 from tv_ray.ir.dims import Expr
-from tv_ray.ir.lint import lint
+from tv_ray.semantics import check_graph
 from tv_ray.plan import Fixed
 from tv_ray.reduce import Atom, SideCondition, _view_blocks, collect, reduce_plan, solve, value_of
 from tv_ray.semantics.table import Context
@@ -40,9 +40,9 @@ def _check_reduction(plan, reduction):
     assert reduction.failing(reduction.reduced) == []
     assert reduction.failing(reduction.full) == []
     # the plan's every shape still evaluates and agrees with its op rules at the reduced dims
-    lint(plan.logical, dims=reduction.reduced, allow_comm=False)
+    check_graph(plan.logical, dims=reduction.reduced, allow_comm=False)
     for program in plan.programs.values():
-        lint(program, dims=reduction.reduced, ctx=Context(axis_sizes=plan.axis_sizes))
+        check_graph(program, dims=reduction.reduced, ctx=Context(axis_sizes=plan.axis_sizes))
     json.dumps(reduction.to_json())
 
 

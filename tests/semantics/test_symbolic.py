@@ -9,7 +9,7 @@ import pytest
 from tv_ray import api
 from tv_ray.errors import UnknownOpError
 from tv_ray.ir import Node
-from tv_ray.partition.claims import run_logical
+from tv_ray.semantics import run_graph
 from tv_ray.partition.stages import LogicalTerms
 from tv_ray.semantics.symbolic import SymbolicError, choice, eval_symbolic, select
 from tv_ray.simulate import draw_inputs
@@ -57,7 +57,7 @@ def test_every_node_of_a_training_step_matches_the_concrete_rule(model):
     dims = {"batch": 2, "seq": 2, "kv_heads": 1, "n_rep": 2, "head_dim": 2, "ffn": 2, "vocab": 3, "heads": 2,
             "d_model": 4, "d_ff": 4, "positions": 2}
     dims = {k: v for k, v in dims.items() if any(k in str(s) for s in graph.inputs for s in s.shape)}
-    values = run_logical(graph, dims, draw_inputs(graph, dims, np.random.default_rng(0)))
+    values = run_graph(graph, dims, draw_inputs(graph, dims, np.random.default_rng(0)), keep=True)
     lt = LogicalTerms.build(graph, dims)
     ints = {}
     for spec in graph.inputs:

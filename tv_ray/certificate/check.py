@@ -18,6 +18,11 @@
    normaliser or another solver. A key that only its recorded method proves
    is counted (`same_method`), never silently passed; one that nothing
    re-proves fails the check.
+
+The checker shares no code with the prover beyond `tv_ray.partition` (the
+derivation and the composition check), `tv_ray.terms` (the normaliser) and
+`tv_ray.smt` (the solvers): it never imports `tv_ray.engine` (DESIGN.md,
+rule 7; `tests/certificate/test_independence.py`).
 """
 from __future__ import annotations
 
@@ -26,14 +31,18 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import pyarrow.parquet as pq
 
 from tv_ray.certificate.write import FORMAT, MANIFEST, TABLE, manifest_digest, sha256_file
-from tv_ray.engine.driver import composition_problems, obligations_of
-from tv_ray.engine.solve import Budget, solve
 from tv_ray.errors import CertificateError, PlanError
+from tv_ray.partition.compose import composition_problems
+from tv_ray.partition.derive import Settings, derive
 from tv_ray.plan import Plan
+from tv_ray.smt import prove
+from tv_ray.terms import Term
+from tv_ray.terms.normal import NormaliseError, Normaliser, ground_lemmas
 
 
 @dataclass
@@ -78,11 +87,42 @@ def _load(out: Path) -> tuple[dict, Path]:
     return manifest, plan_path
 
 
-def _other_budget(method: str, solvers: tuple[str, ...], timeout_s: float) -> list[tuple[str, Budget]]:
-    """Methods to try, different ones first, then the recorded one as a last resort."""
-    smt = ("smt", Budget(solvers=solvers, timeout_s=timeout_s, tiers=(2,)))
-    norm = ("normalised", Budget(tiers=(0,)))
-    return [smt, norm] if method.startswith("normalised") else [norm, smt]
+def _normalised(lhs: list[Term], rhs: list[Term]) -> str:
+    """'' when the normaliser gives every equation's sides one normal form, else why not."""
+    norm = Normaliser()
+    for i, (a, b) in enumerate(zip(lhs, rhs)):
+        try:
+            if norm.normalise(a) != norm.normalise(b):
+                return f"equation {i}: normal forms differ"
+        except NormaliseError as e:
+            return f"equation {i}: {e}"
+    return ""
+
+
+def _by_smt(lhs: list[Term], rhs: list[Term], solvers: tuple[str, ...], timeout_s: float) -> str:
+    """'' when the SMT solvers prove every equation (with the normaliser's ground lemmas), else why not."""
+    if not solvers:
+        return "no solver left that did not give the recorded proof"
+    for i, (a, b) in enumerate(zip(lhs, rhs)):
+        lemmas, _ = ground_lemmas(a, b)
+        result = prove(a, b, lemmas, solvers, timeout_s)
+        if not result.proved:
+            return f"equation {i}: {getattr(result, 'reason', result.verdict)}"
+    return ""
+
+
+def _methods(recorded: str, solvers: tuple[str, ...], timeout_s: float) -> list[tuple[str, bool, Callable]]:
+    """Ways to re-prove a key recorded as `recorded`, as (name, different from the recorded one, check): the
+    different ones first — SMT for the normaliser's proof; the normaliser, then the solvers that did not give
+    it, for a solver's — then the recorded one as a last resort."""
+    parts = recorded.split("+")
+    others = tuple(s for s in solvers if not any(p.startswith(f"smt:{s}") for p in parts))
+    norm = lambda lhs, rhs: _normalised(lhs, rhs)                       # noqa: E731
+    smt = lambda lhs, rhs: _by_smt(lhs, rhs, solvers, timeout_s)        # noqa: E731
+    if not any(p.startswith("smt:") for p in parts):
+        return [("smt", True, smt), ("normalised", False, norm)]
+    return [("normalised", True, norm), ("smt", True, lambda lhs, rhs: _by_smt(lhs, rhs, others, timeout_s)),
+            ("smt", False, smt)]
 
 
 def _compare(part, table: Path) -> tuple[int, dict[str, str], dict]:
@@ -100,9 +140,9 @@ def _compare(part, table: Path) -> tuple[int, dict[str, str], dict]:
             rows += 1
             if ob is None:
                 raise CertificateError(f"{TABLE}: obligation {row['id']} is not a stage of this plan")
-            if row["id"] != ob.id:
+            if row["id"] != str(ob.id):
                 after = next(derived, None)
-                if after is not None and row["id"] == after.id:
+                if after is not None and row["id"] == str(after.id):
                     raise CertificateError(f"obligation {ob.id} ({ob.claim.describe()}) is missing from {TABLE} "
                                            f"at row {rows}, where stage order puts it")
                 raise CertificateError(f"{TABLE}: row {rows} is obligation {row['id']} where the plan's stage "
@@ -110,9 +150,9 @@ def _compare(part, table: Path) -> tuple[int, dict[str, str], dict]:
             if row["key"] != ob.key:
                 raise CertificateError(f"obligation {ob.id}: recorded key {row['key'][:16]}… but its formula "
                                        f"hashes to {ob.key[:16]}…")
-            if list(row["reads"]) != list(ob.reads):
+            if list(row["reads"]) != [str(r) for r in ob.reads]:
                 raise CertificateError(f"obligation {ob.id}: recorded inputs {row['reads']} differ from the "
-                                       f"plan's {list(ob.reads)}")
+                                       f"plan's {[str(r) for r in ob.reads]}")
             if row["verdict"] != "proved":
                 raise CertificateError(f"obligation {ob.id} is recorded as {row['verdict']}; a certificate needs "
                                        f"every obligation proved")
@@ -134,10 +174,10 @@ def check_certificate(out: str | Path, sample: int | None = None, solvers: tuple
         plan = Plan.load(plan_path)
     except PlanError as e:
         raise CertificateError(f"{plan_path}: {e}") from None
-    reduction, _, _, part, _ = obligations_of(plan, manifest["settings"].get("seed", 0),
-                                              manifest.get("claims_dropped", []),
-                                              manifest["settings"].get("symmetry", True),
-                                              bool(manifest["stage_dag"].get("shards")))
+    settings = Settings(manifest["settings"].get("seed", 0), manifest["settings"].get("symmetry", True),
+                        bool(manifest["stage_dag"].get("shards")))
+    derivation = derive(plan, settings, manifest.get("claims_dropped", []))
+    reduction, part = derivation.reduction, derivation.partition
     if reduction.reduced != manifest["reduction"]["reduced"]:
         raise CertificateError(f"reduced dims {reduction.reduced} differ from the certificate's "
                                f"{manifest['reduction']['reduced']}")
@@ -152,20 +192,22 @@ def check_certificate(out: str | Path, sample: int | None = None, solvers: tuple
         chosen = sorted(random.Random(seed).sample(chosen, sample))
     for key in chosen:
         lhs, rhs = part.formulas[key]
-        for i, (name, budget) in enumerate(_other_budget(by_key[key], solvers, timeout_s)):
-            verdict = solve(lhs, rhs, budget)
-            if verdict.proved:
+        why = []
+        for name, different, method in _methods(by_key[key], solvers, timeout_s):
+            failed = method(lhs, rhs)
+            if not failed:
                 report.resolved += 1
                 report.methods[name] = report.methods.get(name, 0) + 1
-                if i == 0:
+                if different:
                     report.different_method += 1
                 else:
                     report.same_method += 1
                 break
+            why.append(f"{name}: {failed}")
         else:
             ob = first[key]
             raise CertificateError(f"key {key[:16]}… (obligation {ob.id}, {ob.claim.describe()}) was recorded as "
-                                   f"{by_key[key]} but the checker could not prove it again: {verdict.reason}")
+                                   f"{by_key[key]} but the checker could not prove it again: {'; '.join(why)}")
     report.seconds = time.perf_counter() - started
     return report
 

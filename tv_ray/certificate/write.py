@@ -31,8 +31,7 @@ from typing import Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tv_ray.engine.checkpoint import sha256_file
-from tv_ray.engine.driver import Outcome
+from tv_ray.certificate.outcome import Outcome, Status
 
 FORMAT = "tv-ray-certificate/1"
 MANIFEST = "certificate.json"
@@ -48,6 +47,11 @@ def canonical(obj) -> bytes:
 def manifest_digest(manifest: dict) -> str:
     """SHA-256 of the manifest without its own digest field."""
     return hashlib.sha256(canonical({k: v for k, v in manifest.items() if k != "manifest_sha256"})).hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def versions() -> dict[str, str]:
@@ -92,17 +96,17 @@ def _batch(obligations, verdicts: dict, first: set[str] | None) -> pa.RecordBatc
     cols: dict[str, list] = {name: [] for name in SCHEMA.names}
     for ob in obligations:
         v = verdicts[ob.key]
-        cols["id"].append(ob.id)
+        cols["id"].append(str(ob.id))
         cols["stage"].append(ob.claim.logical)
         cols["slot"].append(",".join(map(str, ob.ranks)) + (f"@{ob.mb}" if ob.mb is not None else ""))
         cols["key"].append(ob.key)
         cols["tier"].append(v.tier)
         cols["method"].append(v.method)
-        cols["verdict"].append(v.verdict)
+        cols["verdict"].append(v.verdict.value)
         cols["seconds"].append(v.seconds if first is not None and ob.key not in first else 0.0)
         if first is not None:
             first.add(ob.key)
-        cols["reads"].append(list(ob.reads))
+        cols["reads"].append([str(r) for r in ob.reads])
         cols["program"].append(ob.program)
         cols["tensor"].append(ob.tensor)
         cols["boundary"].append(ob.claim.boundary)
@@ -135,7 +139,7 @@ def _copied_batches(part, verdicts: dict, ranges: list[tuple[int, int]]) -> Iter
 
 def write_certificate(outcome: Outcome, out: str | Path, plan_path: str | Path | None, settings: dict) -> dict:
     """Write the certificate of a proved outcome under `out`; returns the manifest."""
-    if outcome.status != "proved":
+    if outcome.status is not Status.PROVED:
         raise ValueError(f"only a proved run has a certificate (this one is {outcome.status})")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tv_ray.engine.solve import Verdict
-from tv_ray.errors import TvRayError
+from tv_ray.errors import CheckpointError
 from tv_ray.plan import Plan
 
 FLUSH_ROWS = 2000
@@ -37,10 +37,6 @@ FLUSH_SECONDS = 2.0
 SCHEMA = pa.schema([("key", pa.string()), ("verdict", pa.string()), ("tier", pa.int8()), ("method", pa.string()),
                     ("seconds", pa.float64()), ("axioms", pa.list_(pa.string())), ("reason", pa.string()),
                     ("element", pa.int64()), ("point", pa.string()), ("values", pa.list_(pa.string()))])
-
-
-class CheckpointError(TvRayError):
-    """A checkpoint that cannot be resumed (another plan, other settings, unreadable)."""
 
 
 class Checkpoint:

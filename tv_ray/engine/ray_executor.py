@@ -49,7 +49,7 @@ import ray
 
 from tv_ray.engine.executor import SolveTask, solve_batch
 from tv_ray.engine.solve import Budget, Verdict
-from tv_ray.errors import TvRayError
+from tv_ray.errors import EngineError
 
 log = logging.getLogger("tv_ray.engine")
 
@@ -61,10 +61,6 @@ RECYCLE_TASKS = 50_000
 RECYCLE_MB = 3072
 LOST_S = 10.0                 # the GCS refusing connections this long: the cluster is gone
 DRIVER_RECONNECT_S = 600      # how long Ray lets this driver wait for a lost GCS before ending the process
-
-
-class EngineError(TvRayError):
-    """The engine cannot go on (the cluster is gone, no actor can be placed); the message says what."""
 
 
 class SolverActor:

@@ -11,44 +11,15 @@ counterexample; otherwise `unknown` with the reason — never a guess.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from fractions import Fraction
+from dataclasses import dataclass
 from typing import Sequence
 
+from tv_ray.certificate.outcome import Status, Verdict
 from tv_ray.smt import prove_with_record
 from tv_ray.terms import Refuted, Term, refute
 from tv_ray.terms.normal import NormaliseError, Normaliser, ground_lemmas
 from tv_ray.terms.onehot import consistent
 
-
-
-@dataclass
-class Verdict:
-    """How one unique key was discharged."""
-
-    verdict: str                     # proved | refuted | unknown
-    tier: int                        # the highest tier that was needed (0, 1, 2)
-    method: str                      # normalised | random-point | smt:<solver> | mixed:...
-    seconds: float = 0.0
-    axioms: tuple[str, ...] = ()
-    reason: str = ""
-    element: int | None = None       # for a refutation: which equation
-    point: dict[str, str] = field(default_factory=dict)   # for a refutation: variable -> exact value
-    values: tuple[str, str] = ("", "")                     # lhs, rhs there
-
-    @property
-    def proved(self) -> bool:
-        return self.verdict == "proved"
-
-    def to_json(self) -> dict:
-        out = {"verdict": self.verdict, "tier": self.tier, "method": self.method, "seconds": round(self.seconds, 6)}
-        if self.axioms:
-            out["axioms"] = list(self.axioms)
-        if self.reason:
-            out["reason"] = self.reason
-        if self.element is not None:
-            out.update(element=self.element, point=self.point, values=list(self.values))
-        return out
 
 
 @dataclass(frozen=True)
@@ -63,15 +34,7 @@ class Budget:
 
 
 def _refuted(i: int, r: Refuted, tier: int, method: str, started: float) -> Verdict:
-    return Verdict("refuted", tier, method, time.perf_counter() - started, element=i,
-                   point={k: str(v) for k, v in sorted(r.point.items())},
-                   values=(_fmt(r.lhs_value), _fmt(r.rhs_value)))
-
-
-def _fmt(v) -> str:
-    if isinstance(v, Fraction):
-        return str(v)
-    return str(v)[:40]
+    return Verdict.of(r, tier, time.perf_counter() - started, element=i, method=method)
 
 
 def solve(lhs: Sequence[Term], rhs: Sequence[Term], budget: Budget = Budget()) -> Verdict:
@@ -125,11 +88,11 @@ def solve(lhs: Sequence[Term], rhs: Sequence[Term], budget: Budget = Budget()) -
     seconds = time.perf_counter() - started
     method = "+".join(sorted(methods)) or "none"
     if not open_:
-        return Verdict("proved", tier, method, seconds, tuple(sorted(axioms)))
+        return Verdict(Status.PROVED, tier, method, seconds, tuple(sorted(axioms)))
     i = open_[0]
     why = reasons[0] if reasons else "normal forms differ and no counterexample was found"
-    return Verdict("unknown", tier, method, seconds, tuple(sorted(axioms)),
-                   reason=f"{len(open_)} of {len(lhs)} equation(s) open; equation {i}: {why}", element=None)
+    return Verdict(Status.UNKNOWN, tier, method, seconds, tuple(sorted(axioms)),
+                   reason=f"{len(open_)} of {len(lhs)} equation(s) open; equation {i}: {why}")
 
 
-__all__ = ["Verdict", "Budget", "solve"]
+__all__ = ["Verdict", "Budget", "solve"]   # Verdict: tv_ray.certificate.outcome's

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from tv_ray.errors import CaptureError, GraphError
-from tv_ray.ir import Graph, Node, TensorSpec, check_names
+from tv_ray.ir import Graph, Node, TensorSpec, check_names, describe
 
 PROBE_LAYERS = (2, 3, 4)
 
@@ -68,10 +68,6 @@ class Run:
     def pairs(self, nodes: Sequence[Node]) -> dict[str, Node]:
         """Block node name -> its layer-1 copy."""
         return {nodes[self.start + i].name: nodes[self.twin + i] for i in range(self.stop - self.start)}
-
-
-def describe(node: Node) -> str:
-    return f"{node.name} = {node.op}({', '.join(node.args)})"
 
 
 def _key(node: Node, module: str | None = None) -> tuple:

@@ -21,8 +21,9 @@ Shape = tuple[Expr, ...]
 ROLES = ("data", "param", "state", "step", "activation", "gradient", "const")
 
 
-def _error(cls: type[TvRayError], path: str, message: str) -> TvRayError:
-    return cls(f"{path}: {message}" if path else message)
+def _error(cls: type[TvRayError], path: str, message: str, node: str | None = None) -> TvRayError:
+    """`cls` (GraphError, or PlanError when decoding a plan) at JSON `path`, about `node` if one."""
+    return cls(f"{path}: {message}" if path else message, path=path or None, node=node)
 
 
 # -- attribute values ----------------------------------------------------------
@@ -265,7 +266,7 @@ class Node:
         norm = []
         for key, value in (attrs or {}).items():
             if key not in schema:
-                raise GraphError(f"node {name}: op {op} takes no attribute {key!r}")
+                raise GraphError(f"node {name}: op {op} takes no attribute {key!r}", node=name)
             norm.append((key, _attr_value(schema[key][0], value)))
         return Node(name, op, tuple(args), tuple(sorted(norm)), tuple(Expr.of(d) for d in shape),
                     dtype, tuple(sorted((meta or {}).items())))
@@ -407,6 +408,11 @@ def _node_fast(obj: Any) -> Node | None:
     return Node(name, op, args, attrs, shape, dtype, tuple(sorted(meta.items())))
 
 
+def describe(node: Node) -> str:
+    """How errors name a node: ``mm_3 = mm(view_2, t_1)``."""
+    return f"{node.name} = {node.op}({', '.join(node.args)})"
+
+
 @dataclass(frozen=True)
 class Graph:
     """An immutable SSA graph: inputs, nodes in topological order, named outputs.
@@ -443,7 +449,7 @@ class Graph:
         try:
             return self._index[name]
         except KeyError:
-            raise GraphError(f"{self.name}: no input or node named {name!r}") from None
+            raise GraphError(f"{self.name}: no input or node named {name!r}", program=self.name) from None
 
     def shape_of(self, name: str) -> Shape:
         return self.value(name).shape
@@ -515,9 +521,10 @@ def check_names(graph: Graph, path: str = "", cls=GraphError) -> None:
                 if arg not in defined:
                     raise _error(cls, f"{path}.ops[{i}].args",
                                  f"{node.name} = {node.op}(...) reads {arg!r}, which is not an input "
-                                 f"nor the result of an earlier op")
+                                 f"nor the result of an earlier op", node.name)
         if node.name in defined:
-            raise _error(cls, f"{path}.ops[{i}].out", f"{node.name!r} is defined twice (SSA: one definition per name)")
+            raise _error(cls, f"{path}.ops[{i}].out", f"{node.name!r} is defined twice (SSA: one definition per name)",
+                         node.name)
         defined.add(node.name)
     for out, value in graph.outputs:
         if value not in defined:

@@ -103,7 +103,7 @@ class Op(str, enum.Enum):
             return Op(name)
         except ValueError:
             known = ", ".join(sorted(o.value for o in Op))
-            raise UnknownOpError(f"unknown op {name!r}; known ops: {known}") from None
+            raise UnknownOpError(f"unknown op {name!r}; known ops: {known}", op=name) from None
 
     def __str__(self) -> str:
         return self.value

@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tv_ray.execute import Scheduler
-from tv_ray.ir import Graph, Node
+from tv_ray.ir import Node
 from tv_ray.plan import Plan
-from tv_ray.semantics import eval_node
-from tv_ray.simulate import draw_inputs
+from tv_ray.semantics import run_graph
+from tv_ray.simulate import draw_inputs, rank_inputs
 
 RTOL = 1e-9
 INPUT_SCALE = 0.25
@@ -88,24 +88,6 @@ class ConcreteRun:
     order: list[tuple[int, str]] = field(default_factory=list)   # (rank, tensor) as produced
 
 
-class _Recorder(Scheduler):
-    def __init__(self, plan, dims, rank_inputs):
-        super().__init__(plan, dims, rank_inputs, keep=True)
-        self.order: list[tuple[int, str]] = []
-
-    def _advance(self, state, node, value):
-        self.order.append((state.rank, node.name))
-        super()._advance(state, node, value)
-
-
-def run_logical(graph: Graph, dims: dict[str, int], inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Every value of the logical graph (inputs included)."""
-    values = dict(inputs)
-    for node in graph.nodes:
-        values[node.name] = eval_node(node, [values[a] for a in node.args], dims)
-    return values
-
-
 def _on(selected: np.ndarray, ranks: np.ndarray | None) -> np.ndarray:
     return selected if ranks is None else selected & ranks
 
@@ -122,15 +104,6 @@ def input_claims(plan: Plan, logical_shapes: dict[str, tuple[int, ...]],
                 claims[rank, entry.tensor] = Claim.of(plan, entry, rank, entry.logical, logical_shapes[entry.logical],
                                                       boundary=True)
     return claims
-
-
-def boundary_inputs(plan: Plan, logical: dict[str, np.ndarray]) -> tuple[list[dict], dict[tuple[int, str], Claim]]:
-    """Each rank's program inputs sliced from the logical values, and the input claims they rest on."""
-    claims = input_claims(plan, {name: value.shape for name, value in logical.items()})
-    values: list[dict[str, np.ndarray]] = [{} for _ in range(plan.num_ranks)]
-    for (rank, tensor), claim in claims.items():
-        values[rank][tensor] = logical[claim.logical][claim.slices()].copy()
-    return values, claims
 
 
 def output_claims(plan: Plan, logical_shapes: dict[str, tuple[int, ...]],
@@ -186,11 +159,11 @@ def run_concrete(plan: Plan, dims: dict[str, int], seed: int = 0,
         if spec.dtype == "int" and spec.high is not None and spec.role != "step":
             high = spec.high.eval(dims) if hasattr(spec.high, "eval") else int(spec.high)
             inputs[spec.name] = token_data(inputs[spec.name].shape, high, rng, digit)
-    logical = run_logical(plan.logical, dims, inputs)
-    rank_inputs, in_claims = boundary_inputs(plan, logical)
-    recorder = _Recorder(plan, dims, rank_inputs)
-    recorder.run()
-    return ConcreteRun(dims, logical, [r.env for r in recorder.ranks], recorder.order), in_claims
+    logical = run_graph(plan.logical, dims, inputs, keep=True)
+    in_claims = input_claims(plan, {name: value.shape for name, value in logical.items()})
+    scheduler = Scheduler(plan, dims, rank_inputs(plan, logical), keep=True)
+    scheduler.run()
+    return ConcreteRun(dims, logical, [r.env for r in scheduler.ranks], scheduler.order), in_claims
 
 
 def group_value(run: ConcreteRun, members: tuple[int, ...], tensor: str) -> np.ndarray | None:
@@ -351,5 +324,4 @@ def infer_claims(plan: Plan, runs: list[ConcreteRun], fixed: dict[tuple[int, str
 
 
 __all__ = ["Claim", "ConcreteRun", "run_concrete", "infer_claims", "output_claims", "interior_claims",
-           "boundary_inputs",
-           "run_logical", "LogicalIndex", "candidates", "group_value"]
+           "LogicalIndex", "candidates", "group_value"]

@@ -27,16 +27,16 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Callable, Iterable
 
-import networkx as nx
 import numpy as np
 from tqdm import tqdm
 
-from tv_ray.errors import TvRayError
+from tv_ray.errors import Asymmetric, TvRayError, Unshardable
 from tv_ray.ir.ops import COLLECTIVES
 from tv_ray.partition.claims import Claim
+from tv_ray.partition.dag import depths, stage_dag
 from tv_ray.partition.logical import LogicalTerms
-from tv_ray.partition.stages import Obligation, Partition, SymbolicRun, Unshardable
-from tv_ray.partition.symmetry import Asymmetric, Blocks, Mirrors, Moves, find_mirrors, microbatch_moves
+from tv_ray.partition.stages import Obligation, Partition, SymbolicRun
+from tv_ray.partition.symmetry import Blocks, Mirrors, Moves, find_mirrors, microbatch_moves
 from tv_ray.plan import Plan
 from tv_ray.terms import Term, from_table, to_table
 
@@ -131,7 +131,7 @@ def merge(runs: list[ShardRun], mirrors: Mirrors | None = None, symmetry: list[s
         raise Unshardable(f"send #{where[3] + 1} from rank {where[0]} to rank {where[1]} (tag {where[2]}) is not "
                           f"the continuation of its claim that the receiving shard rebuilt")
     tagged = [(s, i, ob) for s, run in enumerate(runs) for i, ob in enumerate(run.obligations)]
-    depth = _depths([ob for _, _, ob in tagged])
+    depth = depths([ob for _, _, ob in tagged])
     tagged.sort(key=lambda t: (depth[t[2].id], t[0], t[1]))
     where = [np.zeros(len(run.obligations), dtype=np.int32) for run in runs]    # shard, index -> merged index
     obligations = []
@@ -149,34 +149,6 @@ def merge(runs: list[ShardRun], mirrors: Mirrors | None = None, symmetry: list[s
                      sum(r.moved for r in runs), sum(r.accumulated for r in runs))
     part.shards = len(runs)
     return part
-
-
-def _depths(obligations: list[Obligation]) -> dict[str, int]:
-    """Each stage's depth in the stage DAG: 1 + the deepest stage it reads (a boundary input is 0)."""
-    ids = {ob.id for ob in obligations}
-    readers: dict[str, list[Obligation]] = {}
-    waiting = {}
-    ready = []
-    for ob in obligations:
-        inner = [r for r in set(ob.reads) if r in ids]
-        waiting[ob.id] = len(inner)
-        for r in inner:
-            readers.setdefault(r, []).append(ob)
-        if not inner:
-            ready.append(ob)
-    depth = {}
-    byid = {ob.id: ob for ob in obligations}
-    while ready:
-        ob = ready.pop()
-        depth[ob.id] = 1 + max((depth.get(r, 0) for r in ob.reads), default=0)
-        for reader in readers.get(ob.id, ()):
-            waiting[reader.id] -= 1
-            if waiting[reader.id] == 0:
-                ready.append(reader)
-    if len(depth) != len(byid):
-        stuck = sorted(set(byid) - set(depth))[:3]
-        raise TvRayError(f"the stage DAG has a cycle through {', '.join(stuck)}")
-    return depth
 
 
 def partition(plan: Plan, dims: dict[str, int], claims: dict[tuple[int, str], Claim],
@@ -253,15 +225,8 @@ def _incomplete(pending: dict) -> list[str]:
 
 
 def _assemble(obligations, boundary, run_notes, formulas, symmetry, copies, found, moved, accumulated) -> Partition:
-    dag = nx.DiGraph()
-    for cid in boundary:
-        dag.add_node(cid, kind="boundary")
-    for ob in obligations:
-        dag.add_node(ob.id, kind="obligation")
-        for src in ob.reads:
-            dag.add_edge(src, ob.id)
-    return Partition(obligations, boundary, dag, run_notes, formulas, symmetry, copies[0], copies[1], found, moved,
-                     accumulated)
+    return Partition(obligations, boundary, stage_dag(boundary, obligations), run_notes, formulas, symmetry,
+                     copies[0], copies[1], found, moved, accumulated)
 
 
 __all__ = ["partition", "pipeline_shards", "run_shards", "merge", "ops_of", "ShardRun", "SHARD_MIN"]

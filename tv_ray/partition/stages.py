@@ -29,7 +29,6 @@ never proved, while its refutations elsewhere still locate bugs.
 """
 from __future__ import annotations
 
-import functools
 import gc
 import hashlib
 from array import array
@@ -41,14 +40,15 @@ import networkx as nx
 import numpy as np
 from tqdm import tqdm
 
-from tv_ray.errors import TvRayError
+from tv_ray.errors import Asymmetric, TvRayError, Unshardable
 from tv_ray.execute import TOKEN, Scheduler
 from tv_ray.ir import Node, Op
 from tv_ray.ir.ops import COLLECTIVES
 from tv_ray.partition.claims import Claim
 from tv_ray.partition.keys import content_digests, formula_key
 from tv_ray.partition.logical import LogicalTerms, atom_name, atoms
-from tv_ray.partition.symmetry import SLOT_RE, Asymmetric, Mirrors, Moves
+from tv_ray.partition.ids import StageId
+from tv_ray.partition.symmetry import Mirrors, Moves
 from tv_ray.plan import Plan
 from tv_ray.semantics.symbolic import as_dtype, eval_symbolic, group_rule
 from tv_ray.semantics.table import instantiate_shape
@@ -64,13 +64,13 @@ EXPAND_GROWTH, EXPAND_SLACK = 3, 1000      # stop unfolding past 3x the formula'
 class Obligation:
     """One stage at one slot: the computed terms of a claimed tensor must equal its claim."""
 
-    id: str
+    id: StageId
     ranks: tuple[int, ...]
     program: str
     tensor: str
     claim: Claim
     key: str                        # of the formula computed terms == claim (`Partition.formulas[key]`)
-    reads: tuple[str, ...]          # ids of the claims this stage read (obligations or boundary inputs)
+    reads: tuple[StageId, ...]      # the claims this stage read (obligations or boundary inputs), in text order
     op: str = ""
     module: str = ""
     phase: str = ""
@@ -117,19 +117,16 @@ class Partition:
         image = self.mirrors.image[k]
         return Obligation(self.mirrors.rename_id(ob.id, k), tuple(image.get(r, r) for r in ob.ranks), ob.program,
                           ob.tensor, self.mirrors.move(ob.claim, k), ob.key,
-                          tuple(sorted(self.mirrors.rename_id(r, k) for r in ob.reads)), ob.op, ob.module, ob.phase,
+                          tuple(sorted((self.mirrors.rename_id(r, k) for r in ob.reads), key=str)), ob.op, ob.module,
+                          ob.phase,
                           ob.realises, ob.mb, ob.position, ob.notes)
 
-    def representative(self, cid: str) -> str:
+    def representative(self, cid: StageId) -> StageId:
         """The recorded stage (or boundary input) a mirrored rank's stage or input id stands for; else `cid`."""
         if self.mirrors is None:
             return cid
-        m = SLOT_RE.match(cid)
-        if m is None:
-            return cid
-        ranks = [int(x) for x in m["ranks"].split(",")]
-        blocks = {self.mirrors.block[r] for r in ranks}
-        if len(blocks) != 1 or not all(r in self.mirrors.rep for r in ranks):
+        blocks = {self.mirrors.block[r] for r in cid.ranks}
+        if len(blocks) != 1 or not all(r in self.mirrors.rep for r in cid.ranks):
             return cid
         return self.mirrors.rename_id(cid, blocks.pop())
 
@@ -145,19 +142,6 @@ class Partition:
         for i, n in zip(*np.unique(self.copy_of, return_counts=True)):
             counts[self.obligations[i].key] += int(n)
         return counts
-
-
-def boundary_id(rank: int, tensor: str) -> str:
-    return f"in:r{rank}/{tensor}"
-
-
-def claim_id(members: tuple[int, ...], tensor: str) -> str:
-    return f"r{members[0]}/{tensor}" if len(members) == 1 else f"{_group_prefix(members)}/{tensor}"
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def _group_prefix(members: tuple[int, ...]) -> str:
-    return f"g{','.join(map(str, members))}"
 
 
 class Mirrored:
@@ -192,11 +176,6 @@ class Accumulated:
 
 
 LAZY = (Moved, Accumulated)
-
-
-class Unshardable(TvRayError):
-    """A pipeline shard cannot stand for the whole run here (a value crossing shards is not a claim's
-    continuation, or not the one the other shard sent); the run is then made whole."""
 
 
 def fingerprint(value, reads) -> tuple:
@@ -319,7 +298,7 @@ class SymbolicRun(Scheduler):
                     continue
                 inputs[rank][spec.name] = (Mirrored(claim.shape) if rank in self.mirrored
                                            else self._continuation(rank, claim))
-                cid = boundary_id(rank, spec.name)
+                cid = StageId.input(rank, spec.name)
                 self.sources[rank, spec.name] = frozenset({cid})
                 self.boundary[cid] = claim
         return inputs
@@ -354,7 +333,7 @@ class SymbolicRun(Scheduler):
             return eval_symbolic(node, args, self.dims, state.ctx)
         except TvRayError as err:
             shape = instantiate_shape(node.shape, self.dims)
-            tag = f"opaque:r{state.rank}/{node.name}"
+            tag = str(StageId.opaque(state.rank, node.name))
             self.opaque[state.rank, node.name] = str(err)
             # Either way the run cannot end proved: every note is a composition problem (see engine.driver).
             if node.dtype == "float":
@@ -666,10 +645,10 @@ class SymbolicRun(Scheduler):
             if claim is None:
                 raise Unshardable(f"{self.plan.describe(src)} sends its input {tensor}, which has no lineage")
             value = Mirrored(claim.shape) if src in self.mirrored else self._continuation(src, claim)
-            return value, frozenset({boundary_id(src, tensor)})
+            return value, frozenset({StageId.input(src, tensor)})
         if claim is not None and node.dtype == "float":
             members = self.members(src, claim.partial)
-            cid = claim_id(members, tensor)
+            cid = StageId.group(members, tensor)
             if src in self.mirrored and (not claim.partial or all(m in self.mirrored for m in members)):
                 return Mirrored(claim.shape), frozenset({cid})
             value = self._part(src, members, claim, cid) if claim.partial else self._continuation(src, claim)
@@ -680,6 +659,8 @@ class SymbolicRun(Scheduler):
         noted = len(self.notes)
         try:
             value = self.evaluate(self.ranks[src], node, [v for v, _ in args])
+        except Asymmetric:
+            raise
         except (TvRayError, ArithmeticError, ValueError, IndexError, TypeError) as err:
             raise Unshardable(f"{self.plan.describe(src)} sends {tensor}, which fails there: {err}") from None
         if len(self.notes) != noted:
@@ -696,7 +677,7 @@ class SymbolicRun(Scheduler):
         else:
             reads = frozenset().union(*(self.sources.get((state.rank, a), frozenset()) for a in node.args))
         if (state.rank, node.name) in self.opaque:
-            reads = reads | {f"opaque:r{state.rank}/{node.name}"}
+            reads = reads | {StageId.opaque(state.rank, node.name)}
         return reads
 
     def _advance(self, state, node: Node, value) -> None:
@@ -725,7 +706,7 @@ class SymbolicRun(Scheduler):
     def _cut(self, state, node: Node, value, claim: Claim):
         rank = state.rank
         members = self.members(rank, claim.partial)
-        cid = claim_id(members, node.name)
+        cid = StageId.group(members, node.name)
         self.sources[rank, node.name] = frozenset({cid})
         if not claim.partial and isinstance(value, Mirrored):
             self._copy(state)
@@ -839,7 +820,7 @@ class SymbolicRun(Scheduler):
     def _append(self, cid, members, state, node: Node, claim: Claim, key: str, reads) -> None:
         self.obligations.append(Obligation(
             id=cid, ranks=members, program=state.name, tensor=node.name, claim=claim, key=key,
-            reads=tuple(sorted(reads)), op=str(node.op), module=node.get_meta("module", "") or "",
+            reads=tuple(sorted(reads, key=str)), op=str(node.op), module=node.get_meta("module", "") or "",
             phase=node.get_meta("phase", "") or "", realises=node.get_meta("realises", "") or "",
             mb=node.get_meta("mb"), position=len(self.obligations)))
 
@@ -855,7 +836,7 @@ class SymbolicRun(Scheduler):
                 node = self.ranks[rank].program.nodes[pc]
                 partial = self.claims[self.mirrored[rank], node.name].partial
                 k = self.mirrors.block[rank]
-                rep = claim_id(tuple(self.mirrors.image[k][m] for m in self.members(rank, partial)), node.name)
+                rep = StageId.group(tuple(self.mirrors.image[k][m] for m in self.members(rank, partial)), node.name)
                 if rep not in index:
                     raise Asymmetric(f"{self.plan.describe(rank)} {node.name} mirrors stage {rep}, which no "
                                      f"representative recorded")
@@ -939,5 +920,5 @@ def expand(lhs: list[Term], rhs: list[Term], logical: LogicalTerms) -> tuple[lis
     return lhs, rhs
 
 
-__all__ = ["Obligation", "Partition", "LogicalTerms", "SymbolicRun", "Unshardable", "fingerprint", "expand", "atoms",
-           "atom_name", "boundary_id", "claim_id", "Mirrored"]
+__all__ = ["Obligation", "Partition", "LogicalTerms", "SymbolicRun", "fingerprint", "expand", "atoms",
+           "atom_name", "Mirrored"]

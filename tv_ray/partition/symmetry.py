@@ -39,9 +39,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tv_ray.errors import Asymmetric
 from tv_ray.ir import Graph, Node, Op
 from tv_ray.ir.ops import ELEMENTWISE, RANK_DEPENDENT
 from tv_ray.partition.claims import Claim
+from tv_ray.partition.ids import StageId
 from tv_ray.plan import Plan
 from tv_ray.semantics.shapes import norm_dim
 from tv_ray.semantics.table import instantiate_attrs, instantiate_shape
@@ -50,10 +52,6 @@ from tv_ray.terms import Kind, Term, postorder, substitute, var
 BATCH, DP = "batch", "dp"
 SHAPE_ATTRS = frozenset({"size", "input_size"})     # attrs that may name the batch in a batch-carrying op
 _NAME = re.compile(r"^(?P<pre>onehot:)?(?P<base>[^\[]+)\[(?P<idx>\d+(?:,\d+)*)?\](?P<post>=\d+/\d+)?$")
-
-
-class Asymmetric(Exception):
-    """The symmetry does not hold or cannot be shown; the message says where."""
 
 
 @dataclass(frozen=True)
@@ -327,21 +325,18 @@ class Mirrors:
                 raise Asymmetric(f"{name} belongs to a group across dp ranks 0 and {k}: its part is not a renaming")
             ranks = [self.image[k].get(r, r) for r in ranks]
             return f"{m['kind']}{','.join(map(str, ranks))}/"
-        return SLOT_RE.sub(moved, name, count=1)
+        return SLOT_VAR.sub(moved, name, count=1)
 
-    def rename_id(self, name: str, k: int) -> str:
+    def rename_id(self, cid: StageId, k: int) -> StageId:
         """A stage or claim id of dp 0's slots as dp k's (a group across dp ranks 0 and k is the same group)."""
-        def moved(m):
-            ranks = [int(x) for x in m["ranks"].split(",")]
-            if len({self.block[r] for r in ranks if self.block[r] in (0, k)}) > 1:
-                return m.group(0)
-            return f"{m['kind']}{','.join(str(self.image[k].get(r, r)) for r in ranks)}/"
-        return SLOT_RE.sub(moved, name, count=1)
+        if len({self.block[r] for r in cid.ranks if self.block[r] in (0, k)}) > 1:
+            return cid
+        return cid.with_ranks(tuple(self.image[k].get(r, r) for r in cid.ranks))
 
     def names_slots(self, terms) -> bool:
         """Do the terms name a rank's or a group's own variables (free parts, opaque values)?"""
         roots = [t for t in terms if isinstance(t, Term)]
-        return any(n.kind is Kind.VAR and SLOT_RE.match(n.payload) for n in postorder(*roots))
+        return any(n.kind is Kind.VAR and SLOT_VAR.match(n.payload) for n in postorder(*roots))
 
     def rename(self, terms, k: int):
         """Terms of dp 0's slots as dp k's: block 0 renamed to block k, rank prefixes swapped."""
@@ -355,7 +350,9 @@ class Mirrors:
         return claim.shifted(tag.dim, k * self.width * self.blocks.size * tag.q)
 
 
-SLOT_RE = re.compile(r"(?P<kind>in:r|opaque:r|[rg])(?P<ranks>\d+(?:,\d+)*)/")
+# the stage-id prefix of a variable's name (a free part of a partial claim, an opaque value): term variables are
+# named by text, so renaming a variable reads its stage's ranks back from the name
+SLOT_VAR = re.compile(r"(?P<kind>in:r|opaque:r|[rg])(?P<ranks>\d+(?:,\d+)*)/")
 
 
 def mirrors(plan: Plan, dims: dict[str, int]) -> Mirrors:
@@ -439,7 +436,7 @@ def _ranks(ranks: list[int]) -> str:
     return f"rank {shown}" if len(ranks) == 1 else f"ranks {shown}"
 
 
-__all__ = ["Asymmetric", "Tag", "Blocks", "Mirrors", "mirrors", "find_mirrors", "tags_of", "expected_tag", "CONTRIBUTION_SUMS"]
+__all__ = ["Tag", "Blocks", "Mirrors", "mirrors", "find_mirrors", "tags_of", "expected_tag", "CONTRIBUTION_SUMS"]
 
 
 _PART = re.compile(r"^(?P<cid>.+)#(?P<p>\d+)\[")      # a free atom of a partial claim's part: `cid#p[idx]`
@@ -465,9 +462,11 @@ class Moves:
         self.blocks = blocks
         self.pairs: dict[int, dict[str, str]] = {}        # k -> cut id <-> cut id (both directions)
 
-    def pair(self, k: int, first: str, other: str) -> bool:
-        """Match the partial cut `other` (microbatch k) with `first` (microbatch 0); False if either is taken."""
+    def pair(self, k: int, first: StageId, other: StageId) -> bool:
+        """Match the partial cut `other` (microbatch k) with `first` (microbatch 0); False if either is taken.
+        Kept by the ids' text: that is how the free parts' variable names carry them."""
         pairs = self.pairs.setdefault(k, {})
+        first, other = str(first), str(other)
         if pairs.get(first, other) != other or pairs.get(other, first) != first:
             return False
         pairs[first], pairs[other] = other, first

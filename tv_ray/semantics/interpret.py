@@ -13,15 +13,10 @@ import numpy as np
 
 from tv_ray.errors import GraphError, ShapeError, SimulationError, TvRayError
 from tv_ray.ir.dims import Dims
-from tv_ray.ir.graph import Graph, Node
+from tv_ray.ir.graph import Graph, Node, describe
 from tv_ray.ir.ops import COMMUNICATION
 from tv_ray.semantics.shapes import fmt
 from tv_ray.semantics.table import Context, instantiate_attrs, instantiate_shape, numpy_dtype, rule_for
-
-
-def describe(node: Node) -> str:
-    """``mm_3 = mm(view_2, t_1)``"""
-    return f"{node.name} = {node.op}({', '.join(node.args)})"
 
 
 def eval_node(node: Node, args: list[np.ndarray], dims: Dims, ctx: Context = Context()) -> np.ndarray:
@@ -31,16 +26,16 @@ def eval_node(node: Node, args: list[np.ndarray], dims: Dims, ctx: Context = Con
     """
     if node.op in COMMUNICATION:
         raise SimulationError(f"{describe(node)}: communication needs every rank of the group; "
-                              f"run the plan with the plan simulator")
+                              f"run the plan with the plan simulator", node=node.name)
     concrete = rule_for(node.op, "concrete").concrete
     out = np.asarray(concrete(list(args), instantiate_attrs(node, dims), ctx))
     stated = instantiate_shape(node.shape, dims)
     if out.shape != stated:
         raise ShapeError(f"node {describe(node)}: the result has shape {fmt(out.shape)} but the node "
-                         f"states {fmt(stated)}; fix the stated shape or the inputs")
+                         f"states {fmt(stated)}; fix the stated shape or the inputs", node=node.name)
     if out.dtype != numpy_dtype(node.dtype):
         raise GraphError(f"node {describe(node)}: the result has dtype {out.dtype} but the node states "
-                         f"{node.dtype}; fix the stated dtype")
+                         f"{node.dtype}; fix the stated dtype", node=node.name)
     return out
 
 
@@ -59,7 +54,7 @@ def _check_inputs(graph: Graph, dims: Dims, inputs: Mapping[str, np.ndarray]) ->
     values: dict[str, np.ndarray] = {}
     for spec in graph.inputs:
         if spec.name not in inputs:
-            raise GraphError(f"{graph.name}: no value given for input {spec.name!r}")
+            raise GraphError(f"{graph.name}: no value given for input {spec.name!r}", program=graph.name)
         value = np.asarray(inputs[spec.name])
         stated = instantiate_shape(spec.shape, dims)
         if value.shape != stated:
@@ -68,28 +63,35 @@ def _check_inputs(graph: Graph, dims: Dims, inputs: Mapping[str, np.ndarray]) ->
         values[spec.name] = value.astype(numpy_dtype(spec.dtype), copy=False)
     unknown = set(inputs) - {spec.name for spec in graph.inputs}
     if unknown:
-        raise GraphError(f"{graph.name}: {sorted(unknown)[0]!r} is not an input of the graph")
+        raise GraphError(f"{graph.name}: {sorted(unknown)[0]!r} is not an input of the graph", program=graph.name)
     return values
 
 
 def run_graph(graph: Graph, dims: Dims, inputs: Mapping[str, np.ndarray],
-              ctx: Context = Context()) -> dict[str, np.ndarray]:
-    """Run a graph on concrete inputs; returns its outputs by output name.
+              ctx: Context = Context(), keep: bool = False) -> dict[str, np.ndarray]:
+    """Run a graph on concrete inputs; returns its outputs by output name (`keep`: every value by its name,
+    inputs included, none freed).
 
     Example: ``run_graph(g, {"batch": 2}, {"x": np.ones((2, 3))})["loss"]``.
     """
     values = _check_inputs(graph, dims, inputs)
-    last = _last_reads(graph)
+    last = {} if keep else _last_reads(graph)
     for position, node in enumerate(graph.nodes):
         try:
             values[node.name] = eval_node(node, [values[arg] for arg in node.args], dims, ctx)
         except TvRayError as err:
-            raise type(err)(f"{err}\n  while executing {describe(node)}") from err
+            fields = err.fields()
+            if "node" in fields:
+                fields["node"] = fields["node"] or node.name
+            raise type(err)(f"{err}\n  while executing {describe(node)}", **fields) from err
         except (ArithmeticError, ValueError, IndexError, TypeError) as err:
-            raise SimulationError(f"{type(err).__name__}: {err}\n  while executing {describe(node)}") from err
+            raise SimulationError(f"{type(err).__name__}: {err}\n  while executing {describe(node)}",
+                                  node=node.name) from err
+        if keep:
+            continue
         for arg in set(node.args):
             if last[arg] == position:
                 del values[arg]
         if node.name not in last:
             del values[node.name]
-    return {out: values[value] for out, value in graph.outputs}
+    return values if keep else {out: values[value] for out, value in graph.outputs}

@@ -29,17 +29,13 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from tv_ray.errors import TvRayError, UnknownOpError
+from tv_ray.errors import SymbolicError, UnknownOpError
 from tv_ray.ir.graph import Node
 from tv_ray.ir.ops import Op, registrar
 from tv_ray.semantics.rules_reduce import _reduced_dims
 from tv_ray.semantics.table import Context, instantiate_attrs, instantiate_shape, rule_for
 from tv_ray.terms import ONE, ZERO, Term, app, const, exp, log, max_, pow_, sum_
 from tv_ray.terms.onehot import indicator
-
-
-class SymbolicError(TvRayError):
-    """An op cannot be interpreted symbolically here (e.g. ints depending on two data elements)."""
 
 
 # ±inf (causal masks) follow the extended reals where a mask needs them — x + (−∞) = −∞ for a finite
@@ -586,19 +582,19 @@ def group_rule(op: Op, xs: list[np.ndarray], attrs: dict) -> list[np.ndarray]:
         return [np.asarray(c, dtype=object) for c in np.split(out, len(xs), axis=attrs["dim"] % out.ndim)]
     if op in (Op.ALL_GATHER, Op.ALL_TO_ALL, Op.BROADCAST):
         return [np.asarray(v, dtype=object) for v in rule_for(op, "group").group(list(xs), attrs)]
-    raise UnknownOpError(f"no symbolic group rule for op {op}")
+    raise UnknownOpError(f"no symbolic group rule for op {op}", op=str(op))
 
 
 def eval_symbolic(node: Node, args: list[np.ndarray], dims, ctx: Context = Context()) -> np.ndarray:
     """Run one node on object arrays of terms; the result has the node's stated shape."""
     fn = SYMBOLIC.get(node.op)
     if fn is None:
-        raise UnknownOpError(f"no symbolic rule for op {node.op} (node {node.name})")
+        raise UnknownOpError(f"no symbolic rule for op {node.op} (node {node.name})", op=str(node.op))
     out = as_dtype(fn(node, args, instantiate_attrs(node, dims), ctx), node.dtype)
     stated = instantiate_shape(node.shape, dims)
     if out.shape != stated:
         raise SymbolicError(f"node {node.name} = {node.op}(...): symbolic result has shape {out.shape}, "
-                            f"the node states {stated}")
+                            f"the node states {stated}", node=node.name)
     return out
 
 

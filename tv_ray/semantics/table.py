@@ -89,7 +89,7 @@ def rule_for(op: Op, kind: str = "shape") -> Rule:
     """The Rule of `op`, which must define a `kind` rule (shape, dtype, concrete or group)."""
     found = RULES.get(op)
     if found is None or getattr(found, kind) is None:
-        raise UnknownOpError(f"no {kind} rule for op {op}")
+        raise UnknownOpError(f"no {kind} rule for op {op}", op=str(op))
     return found
 
 
@@ -145,7 +145,7 @@ def instantiate_attrs(node: Node, dims: Dims) -> dict:
     try:
         return {key: instantiate(value, dims) for key, value in node.attrs}
     except ShapeError as err:
-        raise ShapeError(f"node {node.name} = {node.op}(...): attribute {err}") from None
+        raise ShapeError(f"node {node.name} = {node.op}(...): attribute {err}", node=node.name) from None
 
 
 def instantiate_shape(shape: Sequence, dims: Dims) -> tuple[int, ...]:

@@ -1,14 +1,19 @@
-"""Tier 2: SMT-LIB encoding of term equations, solver backends (z3, cvc5, yices) and the racing portfolio.
+"""Tier 2: term equations as pysmt formulas, raced across warm pysmt solvers (z3, cvc5, yices-smt2).
+
+Solvers are chosen by name ("z3", "cvc5", "yices", as on the command line); a
+verdict names the pysmt solver that gave it: "smt:z3", "smt:cvc5",
+"smt:yices-smt2" (see `tv_ray.smt.solvers`). `EncodeError` lives in
+`tv_ray.errors` (re-exported here and from `tv_ray.smt.encode`).
 
     >>> from tv_ray.terms import var, add
     >>> from tv_ray.smt import prove
     >>> x = var("x")
-    >>> prove(add(x, x), x * 2, solvers=("z3",)).proved
-    True
+    >>> prove(add(x, x), x * 2, solvers=("z3",)).method
+    'smt:z3'
 """
 from tv_ray.smt.encode import EncodeError, Encoding, encode
-from tv_ray.smt.portfolio import RaceRecord, SolveRecord, prove, prove_with_record, race
-from tv_ray.smt.solvers import CheckResult, Solver, SubprocessSolver, get_solver
+from tv_ray.smt.portfolio import CheckResult, RaceRecord, SolveRecord, prove, prove_with_record, race
+from tv_ray.smt.solvers import Backend, SolverBusy, SolverUnavailable, available_solvers, get_solver
 
 __all__ = ["encode", "Encoding", "EncodeError", "prove", "prove_with_record", "race", "RaceRecord", "SolveRecord",
-           "CheckResult", "Solver", "SubprocessSolver", "get_solver"]
+           "CheckResult", "Backend", "SolverBusy", "SolverUnavailable", "available_solvers", "get_solver"]

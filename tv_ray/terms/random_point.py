@@ -27,16 +27,13 @@ from typing import Any, Callable
 import mpmath
 
 from tv_ray.terms import onehot
+from tv_ray.errors import OutsideDomain
 from tv_ray.terms.result import Refuted, Unknown
 from tv_ray.terms.term import Kind, Term, postorder
 
 DEFAULT_POINTS = 4
 DEFAULT_DIGITS = 60
 EXP_LIMIT = 200  # |x| above which exp(x) is not evaluated (the point is resampled)
-
-
-class _InvalidPoint(Exception):
-    """The point lies outside the domain of one side (zero denominator, log of a non-positive value)."""
 
 
 class _Evaluator:
@@ -86,7 +83,7 @@ class _Evaluator:
 
     def _power(self, v, n: int):
         if n < 0 and self._is_zero(v):
-            raise _InvalidPoint("zero denominator")
+            raise OutsideDomain("zero denominator")
         if isinstance(v, Fraction):
             return v ** n
         return self._mpf(v) ** n
@@ -121,13 +118,13 @@ class _Evaluator:
             return Fraction(1)
         if abs(v) > EXP_LIMIT:
             # exp of exp of ... overflows any useful precision; another point is cheaper
-            raise _InvalidPoint(f"exp argument beyond ±{EXP_LIMIT}")
+            raise OutsideDomain(f"exp argument beyond ±{EXP_LIMIT}")
         return self.ctx.exp(self._mpf(v))
 
     def _log(self, vs: list):
         (v,) = vs
         if v <= 0 or self._is_zero(v):
-            raise _InvalidPoint("log of a non-positive value")
+            raise OutsideDomain("log of a non-positive value")
         if isinstance(v, Fraction) and v == 1:
             return Fraction(0)
         return self.ctx.log(self._mpf(v))
@@ -172,7 +169,7 @@ def refute(lhs: Term, rhs: Term, points: int = DEFAULT_POINTS, seed: int = 0, di
         point = _random_point(rng, names)
         try:
             lv, rv = ev.evaluate((lhs, rhs), point)
-        except _InvalidPoint as e:
+        except OutsideDomain as e:
             skipped.append(str(e))
             continue
         valid += 1

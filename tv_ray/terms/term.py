@@ -31,11 +31,7 @@ import weakref
 from fractions import Fraction
 from typing import Callable, Iterable, TypeVar
 
-from tv_ray.errors import TvRayError
-
-
-class TermError(TvRayError):
-    """A term could not be built (bad constant, non-integer exponent, malformed table)."""
+from tv_ray.errors import TermError
 
 
 class Kind(enum.IntEnum):
@@ -83,19 +79,19 @@ class Term:
     def name(self) -> str:
         """The variable name or function name (VAR and APP only)."""
         if self.kind not in (Kind.VAR, Kind.APP):
-            raise TermError(f"a {self.kind.name} term has no name")
+            raise TermError(f"a {self.kind.name} term has no name", term=self)
         return self.payload  # type: ignore[return-value]
 
     @property
     def value(self) -> Fraction:
         if self.kind is not Kind.CONST:
-            raise TermError(f"a {self.kind.name} term has no constant value")
+            raise TermError(f"a {self.kind.name} term has no constant value", term=self)
         return self.payload  # type: ignore[return-value]
 
     @property
     def exponent(self) -> int:
         if self.kind is not Kind.POW:
-            raise TermError(f"a {self.kind.name} term has no exponent")
+            raise TermError(f"a {self.kind.name} term has no exponent", term=self)
         return self.payload  # type: ignore[return-value]
 
     def __repr__(self) -> str:

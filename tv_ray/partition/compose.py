@@ -1,0 +1,89 @@
+"""Composition (soundness rule 3): do the proved stages add up to the end-to-end claim?
+
+    >>> composition_problems(plan, partition, proved={ob.id for ob in partition.obligations if ...})
+    []
+
+The stages compose when
+
+- every claim a stage reads is boundary lineage or a proved stage (a mirrored
+  rank's claim stands or falls with its representative's);
+- the stage DAG, read through those representatives, has no cycle — a proof
+  may not rest on itself — and every stage counted as established is reached
+  from boundary inputs through proved stages only;
+- every logical output (loss, each gradient, each updated parameter and
+  state) is the claim of an established output stage;
+- each updated parameter and optimizer state leaves the step with the
+  lineage it came in with, so the next step starts from a consistent state.
+
+Used by the engine before it calls a run proved and by the checker on the
+certificate's stages.
+"""
+from __future__ import annotations
+
+import networkx as nx
+
+from tv_ray.partition.stages import Partition
+from tv_ray.plan import Plan
+
+
+def _resolved(part: Partition) -> nx.DiGraph:
+    """The stage DAG with each read of a mirrored rank's claim drawn from its representative's stage."""
+    if part.mirrors is None:
+        return part.dag
+    graph = nx.DiGraph()
+    graph.add_nodes_from(part.boundary)
+    for ob in part.obligations:
+        graph.add_node(ob.id)
+        graph.add_edges_from((part.representative(src), ob.id) for src in ob.reads)
+    return graph
+
+
+def established(part: Partition, proved: set[str]) -> tuple[set[str], list[str]]:
+    """The claims reached from boundary inputs through proved stages only, and the problems (a cycle)."""
+    graph = _resolved(part)
+    try:
+        order = list(nx.topological_sort(graph))
+    except nx.NetworkXUnfeasible:
+        cycle = " -> ".join(str(u) for u, _ in nx.find_cycle(graph))
+        return set(part.boundary), [f"the stage DAG has a cycle ({cycle}): those stages' proofs rest on each other"]
+    done = set(part.boundary)
+    for node in order:
+        if node in proved and all(src in done for src in graph.predecessors(node)):
+            done.add(node)
+    return done, []
+
+
+def composition_problems(plan: Plan, part: Partition, proved: set[str]) -> list[str]:
+    """What keeps the proved stages (ids in `proved`) from composing into the end-to-end claim; [] when they do."""
+    problems = list(part.notes)
+    boundary = set(part.boundary)
+    for ob in part.obligations:
+        for src in ob.reads:
+            src = part.representative(src)
+            if src not in boundary and src not in proved:
+                problems.append(f"stage {ob.id} reads {src}, which is neither boundary lineage nor proved")
+    done, cycles = established(part, proved)
+    problems += cycles
+    covered = {ob.claim.logical for ob in part.obligations if ob.claim.boundary and ob.id in done}
+    for name, value in plan.logical.outputs:
+        if value not in covered:
+            problems.append(f"logical output {name!r} is not covered by a proved output stage")
+    problems += state_lineage_problems(plan)
+    return problems
+
+
+def state_lineage_problems(plan: Plan) -> list[str]:
+    """Each updated parameter / optimizer state leaves the step with the lineage it came in with."""
+    def layout(logical: str) -> set:
+        return {(e.where, e.slice, e.partial) for e in plan.lineage if e.logical == logical}
+    out = []
+    for name, _ in plan.logical.outputs:
+        if name.startswith("new/"):
+            before, after = layout(name[4:]), layout(name)
+            if before != after:
+                out.append(f"{name} leaves the step with lineage {sorted(map(str, after))} but {name[4:]} "
+                           f"came in with {sorted(map(str, before))}: the next step would start inconsistent")
+    return out
+
+
+__all__ = ["composition_problems", "state_lineage_problems", "established"]

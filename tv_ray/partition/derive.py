@@ -1,0 +1,152 @@
+"""Derivation: everything a plan's proof is built from — reduced shapes, claims, stages, obligations and keys.
+
+    >>> derivation = derive(plan, Settings(seed=0))
+    >>> derivation.partition.size, len(derivation.partition.formulas)      # obligations, unique keys
+    (3770, 209)
+
+One function, `derive`, used alike by the engine (which then solves the
+unique keys) and by the independent checker (which re-derives a certificate's
+stages from its plan and compares). In order:
+
+1. shape reduction (`tv_ray.reduce`);
+2. data-parallel mirrors (`tv_ray.partition.symmetry`);
+3. claims: the plan's boundary and stated lineage, plus claims matched by
+   value in concrete runs (plans up to `CONCRETE_LIMIT` op executions);
+   the program outputs wrong in those runs (`deviations`) are kept;
+4. stages cut at the claims (`tv_ray.partition.generate`), keyed.
+
+A claim refuted as a wrong guess is dropped and the stages cut again
+(`Derivation.recut`): the claims and concrete runs stay, the stages change.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import numpy as np
+
+from tv_ray.partition.claims import (Claim, ConcreteRun, group_value, infer_claims, input_claims, interior_claims,
+                                    output_claims, runs_for)
+from tv_ray.partition.generate import Generate, ops_of, partition
+from tv_ray.partition.ids import StageId
+from tv_ray.partition.stages import Partition
+from tv_ray.partition.symmetry import Mirrors, find_mirrors
+from tv_ray.plan import Plan
+from tv_ray.reduce import Reduction, reduce_plan
+from tv_ray.semantics.table import instantiate_shape
+from tv_ray.simulate import max_abs_deviation
+
+CONCRETE_LIMIT = 2_000_000    # op executions of one concrete run of every rank
+TOL = 1e-8       # a program output further than this from its lineage in a concrete run is wrong
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a derivation depends on besides the plan (recorded in the certificate, so the checker re-derives
+    the same): the concrete runs' seed, data-parallel / microbatch symmetry, and pipeline shards (True,
+    False, or None: by the plan's size)."""
+
+    seed: int = 0
+    symmetry: bool = True
+    shards: bool | None = None
+
+
+@dataclass
+class Derivation:
+    """A plan's reduced shapes, concrete runs, claims and stages."""
+
+    plan: Plan
+    settings: Settings
+    reduction: Reduction
+    mirrors: Mirrors | None
+    notes: list[str]                           # why ranks were not mirrored
+    runs: list[ConcreteRun]
+    claims: dict[tuple[int, str], Claim]
+    deviations: list[dict]                     # program outputs wrong in the concrete runs, largest first
+    partition: Partition | None = None
+    dropped: list[tuple[int, str]] = field(default_factory=list)
+
+    def cut(self, progress: bool = False, generate: Generate | None = None, groups: int = 1) -> Partition:
+        """The stages cut at the current claims (generated whole, or one pipeline stage per shard by `generate`
+        in `groups` jobs)."""
+        symmetry = self.settings.symmetry
+        self.partition = partition(self.plan, self.reduction.reduced, self.claims,
+                                   self.mirrors or (symmetry and not self.notes), progress=progress,
+                                   shards=self.settings.shards, generate=generate, groups=groups)
+        self.partition.symmetry = self.notes + self.partition.symmetry
+        return self.partition
+
+    def drop(self, wrong: Iterable[tuple[int, str]]) -> None:
+        """Drop claims refuted as wrong guesses (never boundary ones: the caller passes interior claims)."""
+        for key in wrong:
+            if self.claims.pop(tuple(key), None) is not None:
+                self.dropped.append(tuple(key))
+
+
+def claims_for(plan: Plan, dims: dict[str, int], seed: int = 0, ranks: np.ndarray | None = None):
+    """The concrete runs and every claim (boundary lineage, intermediate lineage, then matched by value).
+
+    A plan larger than `CONCRETE_LIMIT` op executions is not run concretely: its claims are its lineage
+    (boundary and intermediate) alone, made only on `ranks` (a mask; mirrored ranks take their
+    representative's), nothing is matched by value and no output is checked at a point — which changes only
+    where stages are cut, never what a proof needs."""
+    if ops_of(plan, range(plan.num_ranks)) > CONCRETE_LIMIT:
+        shapes = {s.name: instantiate_shape(s.shape, dims) for s in plan.logical.inputs}
+        shapes |= {n.name: instantiate_shape(n.shape, dims) for n in plan.logical.nodes}
+        return [], {**input_claims(plan, shapes, ranks), **interior_claims(plan, shapes, ranks),
+                    **output_claims(plan, shapes, ranks)}
+    runs, input_claims_ = runs_for(plan, dims, seed)
+    shapes = {name: value.shape for name, value in runs[0].logical.items()}
+    fixed = {**input_claims_, **interior_claims(plan, shapes), **output_claims(plan, shapes)}
+    eligible = [name for name, value in runs[0].logical.items() if value.dtype.kind == "f"]
+    return runs, infer_claims(plan, runs, fixed, eligible)
+
+
+def unmirrored(plan: Plan, found: Mirrors | None) -> np.ndarray | None:
+    """The ranks that run their own program (a mask), or None when none is mirrored."""
+    if found is None:
+        return None
+    mask = np.ones(plan.num_ranks, dtype=bool)
+    mask[list(found.rep)] = False
+    return mask
+
+
+def output_deviations(plan: Plan, runs: list[ConcreteRun]) -> list[dict]:
+    """Program outputs whose concrete value differs from their output lineage in some run (largest first)."""
+    if not runs:
+        return []
+    shapes = {name: value.shape for name, value in runs[0].logical.items()}
+    seen, out = set(), []
+    for (rank, tensor), claim in output_claims(plan, shapes).items():
+        members = tuple(plan.group(rank, claim.partial)) if claim.partial else (rank,)
+        if (members, tensor) in seen:
+            continue
+        seen.add((members, tensor))
+        worst = max((max_abs_deviation(p, run.logical[claim.logical][claim.slices()]) for run in runs
+                     if (p := group_value(run, members, tensor)) is not None), default=0.0)
+        if worst > TOL:
+            out.append({"stage": str(StageId.group(members, tensor)), "ranks": list(members), "tensor": tensor,
+                        "logical": claim.logical, "max_abs_dev": worst})
+    return sorted(out, key=lambda d: -d["max_abs_dev"])
+
+
+def derive_claims(plan: Plan, settings: Settings = Settings()) -> Derivation:
+    """Steps 1–3: reduced shapes, mirrors, concrete runs, claims and output deviations; no stages yet.
+    Raises CommunicationError when the plan's communication cannot complete."""
+    reduction = reduce_plan(plan)
+    found, notes = find_mirrors(plan, reduction.reduced, settings.symmetry)
+    runs, claims = claims_for(plan, reduction.reduced, settings.seed, unmirrored(plan, found))
+    return Derivation(plan, settings, reduction, found, notes, runs, claims, output_deviations(plan, runs))
+
+
+def derive(plan: Plan, settings: Settings = Settings(), dropped: Iterable[tuple[int, str]] = ()) -> Derivation:
+    """The whole derivation of `plan`, without the claims `dropped` as wrong guesses (what a certificate
+    records): its `partition` holds every obligation with its key and one formula per key."""
+    derivation = derive_claims(plan, settings)
+    derivation.drop(dropped)
+    derivation.cut()
+    return derivation
+
+
+__all__ = ["Settings", "Derivation", "derive", "derive_claims", "claims_for", "output_deviations", "unmirrored",
+           "CONCRETE_LIMIT"]

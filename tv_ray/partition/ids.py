@@ -1,0 +1,49 @@
+"""Stage ids: which claim a stage proves or reads, as a small typed value (kind, ranks, tensor).
+
+    >>> StageId.group((0, 4), "mm_15"), StageId.input(3, "tokens")
+    (StageId('g0,4/mm_15'), StageId('in:r3/tokens'))
+
+Kinds: ``in`` a rank's program input (boundary lineage), ``r`` one rank's
+tensor, ``g`` a group's partial sum, ``opaque`` an op without a symbolic
+rule. The text form (``str``) is what certificates, reports and variable
+names carry; the value is what the code compares, renames and reads — never
+the text parsed back.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+PREFIX = {"in": "in:r", "r": "r", "g": "g", "opaque": "opaque:r"}
+
+
+class StageId(NamedTuple):
+    kind: str                   # in | r | g | opaque
+    ranks: tuple[int, ...]
+    tensor: str
+
+    @staticmethod
+    def input(rank: int, tensor: str) -> "StageId":
+        """A rank's program input, claimed by boundary lineage."""
+        return StageId("in", (rank,), tensor)
+
+    @staticmethod
+    def group(members: tuple[int, ...], tensor: str) -> "StageId":
+        """The claim on `tensor` held by one rank, or summed over a group of several."""
+        return StageId("r" if len(members) == 1 else "g", tuple(members), tensor)
+
+    @staticmethod
+    def opaque(rank: int, tensor: str) -> "StageId":
+        """The value of an op without a symbolic rule (unconstrained)."""
+        return StageId("opaque", (rank,), tensor)
+
+    def with_ranks(self, ranks: tuple[int, ...]) -> "StageId":
+        return StageId(self.kind, ranks, self.tensor)
+
+    def __str__(self) -> str:
+        return f"{PREFIX[self.kind]}{','.join(map(str, self.ranks))}/{self.tensor}"
+
+    def __repr__(self) -> str:
+        return f"StageId({str(self)!r})"
+
+
+__all__ = ["StageId"]
