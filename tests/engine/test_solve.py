@@ -2,6 +2,7 @@
 from tv_ray.engine.solve import Budget, solve
 from tv_ray.terms import exp, log, max_, sum_, var
 from tv_ray.terms.normal import ground_lemmas
+from tv_ray.terms.atom import Atom
 from tv_ray.terms.onehot import indicator
 
 x, y, z = var("x"), var("y"), var("z")
@@ -36,10 +37,10 @@ def test_smt_tier_proves_what_the_normaliser_leaves_open():
 
 def test_indicators_are_drawn_one_hot_so_a_selection_identity_is_not_refuted():
     # Σ_v δ_v = 1 holds only for one-hot indicators; free random values would "refute" it.
-    total = sum_([indicator("t[0]", v, 3) for v in range(3)])
+    total = sum_([indicator(Atom("t", (0,)), v, 3) for v in range(3)])
     v = solve([total * x], [x], Budget(tiers=(0, 1)))
     assert v.verdict == "proved"
-    d0, d1 = indicator("t[0]", 0, 3), indicator("t[0]", 1, 3)
+    d0, d1 = indicator(Atom("t", (0,)), 0, 3), indicator(Atom("t", (0,)), 1, 3)
     bad = solve([d0 * x + d1 * y], [d0 * y + d1 * x], Budget(tiers=(0, 1), points=8))
     assert bad.verdict == "refuted"
     values = [bad.point[k] for k in bad.point if k.startswith("onehot:")]

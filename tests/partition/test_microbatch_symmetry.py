@@ -13,7 +13,9 @@ from tv_ray.engine.executor import LocalExecutor
 from tv_ray.engine.solve import Budget
 from tv_ray.partition.generate import partition
 from tv_ray.partition.symmetry import Blocks, Moves, microbatch_moves
+from tv_ray.partition.ids import Part, StageId
 from tv_ray.terms import var
+from tv_ray.terms.atom import Atom
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from mutants import _like, edit, with_program  # noqa: E402
@@ -40,13 +42,15 @@ def test_moved_microbatches_give_the_same_stages_as_computing_them(mb4):
 def test_a_partial_cuts_parts_swap_with_their_own_microbatchs_and_no_other():
     blocks = Blocks({"x": None}, size=1, count=4, small={})
     moves = Moves(blocks)
-    assert moves.pair(2, "r0/mm@0", "r0/mm@2") and moves.pair(2, "r0/mm@0", "r0/mm@2")
-    assert not moves.pair(2, "r0/mm@0", "r0/mm_copy@2")       # one cut of microbatch 0 pairs with one cut of 2
-    assert not moves.pair(2, "r0/other@0", "r0/mm@2")
-    assert moves.pair(3, "r0/mm@0", "r0/mm@3")                # each microbatch has its own pairs
-    terms = np.array([var("r0/mm@0#0[0]"), var("r0/mm@2#1[0]"), var("r0/mm@1#0[0]")], dtype=object)
-    assert [t.payload for t in moves.rename(terms, 2)] == ["r0/mm@2#0[0]", "r0/mm@0#1[0]", "r0/mm@1#0[0]"]
-    assert [t.payload for t in moves.rename(terms, 3)] == ["r0/mm@3#0[0]", "r0/mm@2#1[0]", "r0/mm@1#0[0]"]
+    mm0, mm1, mm2, mm3 = (StageId.group((0,), f"mm@{k}") for k in range(4))
+    assert moves.pair(2, mm0, mm2) and moves.pair(2, mm0, mm2)
+    assert not moves.pair(2, mm0, StageId.group((0,), "mm_copy@2"))   # one cut of microbatch 0 pairs with one of 2
+    assert not moves.pair(2, StageId.group((0,), "other@0"), mm2)
+    assert moves.pair(3, mm0, mm3)                # each microbatch has its own pairs
+    terms = np.array([var(Atom(Part(mm0, 0), (0,))), var(Atom(Part(mm2, 1), (0,))), var(Atom(Part(mm1, 0), (0,)))],
+                     dtype=object)
+    assert [str(t.payload) for t in moves.rename(terms, 2)] == ["r0/mm@2#0[0]", "r0/mm@0#1[0]", "r0/mm@1#0[0]"]
+    assert [str(t.payload) for t in moves.rename(terms, 3)] == ["r0/mm@3#0[0]", "r0/mm@2#1[0]", "r0/mm@1#0[0]"]
 
 
 def _doubled_input(plan, name: str):

@@ -2,6 +2,8 @@
 import numpy as np
 import pytest
 
+from tv_ray.terms.atom import Atom
+
 from tv_ray import api
 from tv_ray.partition.derive import Settings, claims_for, derive
 from tv_ray.partition.keys import formula_key
@@ -45,19 +47,19 @@ def test_dp_slots_share_keys(plan, derived):
 
 
 def test_keys_make_slots_relative_but_keep_constants_and_structure():
-    x = [var(f"x[{i}]") for i in range(8)]
-    y = [var(f"y[{i},0]") for i in range(8)]
+    x = [var(Atom("x", (i,))) for i in range(8)]
+    y = [var(Atom("y", (i, 0))) for i in range(8)]
     order = {"x": 3, "y": 7, "u": 10, "w": 14}
     # the same stage on another slot: indices shifted, summands in another digest order
     assert formula_key([x[0] * y[1] + x[1] * y[2]], [x[0]], order) == \
         formula_key([x[5] * y[6] + x[6] * y[7]], [x[5]], order)
-    u, w = var("u[2]"), var("w[4,1]")
+    u, w = var(Atom("u", (2,))), var(Atom("w", (4, 1)))
     assert formula_key([x[0] + y[0]], [y[0] + x[0]], order) == formula_key([u + w], [w + u], order)
     assert formula_key([x[0] * const(2)], [x[0]]) != formula_key([x[0] * const(3)], [x[0]])
     assert formula_key([x[0] + x[1]], [x[0]]) != formula_key([x[0] + x[1]], [x[1]])
-    layer0 = formula_key([x[0] * y[0]], [var("z[0]")], {"x": 3, "y": 7, "z": 9})
-    assert layer0 == formula_key([x[0] * y[0]], [var("z[0]")], {"x": 30, "y": 71, "z": 90})   # another layer
-    one_hot = [var("onehot:tok[0]=0/3"), var("onehot:tok[0]=1/3"), var("onehot:tok[1]=0/3")]
+    layer0 = formula_key([x[0] * y[0]], [var(Atom("z", (0,)))], {"x": 3, "y": 7, "z": 9})
+    assert layer0 == formula_key([x[0] * y[0]], [var(Atom("z", (0,)))], {"x": 30, "y": 71, "z": 90})   # another layer
+    one_hot = [var(Atom("tok", (0,), (0, 3))), var(Atom("tok", (0,), (1, 3))), var(Atom("tok", (1,), (0, 3)))]
     assert formula_key([one_hot[0] + one_hot[1]], [x[0]]) != formula_key([one_hot[0] + one_hot[2]], [x[0]])
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tv_ray.terms.atom import Atom
 from tv_ray.engine.driver import verify_plan
 from tv_ray.engine.executor import LocalExecutor
 from tv_ray.engine.solve import Budget
@@ -34,10 +35,11 @@ def test_the_training_step_commutes_with_permuting_samples(step):
     assert blocks.size == 2 and blocks.tags["tokens"] == Tag(0, 1)
     assert blocks.tags["layers.0.attn.q_proj.weight"] is None
     assert any(step.value(name).op.value == "mm" for name in blocks.sums)      # weight gradients: sums over samples
-    assert blocks.rename_name("tokens[1,0]", 1) == "tokens[3,0]"
-    assert blocks.rename_name("tokens[3,0]", 1) == "tokens[1,0]"
-    assert blocks.rename_name("onehot:tokens[0,1]=2/4", 1) == "onehot:tokens[2,1]=2/4"
-    assert blocks.rename_name("layers.0.attn.q_proj.weight[0,1]", 1) == "layers.0.attn.q_proj.weight[0,1]"
+    assert blocks.rename_name(Atom("tokens", (1, 0)), 1) == Atom("tokens", (3, 0))
+    assert blocks.rename_name(Atom("tokens", (3, 0)), 1) == Atom("tokens", (1, 0))
+    assert blocks.rename_name(Atom("tokens", (0, 1), (2, 4)), 1) == Atom("tokens", (2, 1), (2, 4))
+    weight = Atom("layers.0.attn.q_proj.weight", (0, 1))
+    assert blocks.rename_name(weight, 1) == weight
 
 
 def test_an_op_that_reads_samples_by_position_ends_the_symmetry(step):

@@ -14,7 +14,8 @@ from tv_ray.partition.stages import LogicalTerms
 from tv_ray.semantics.symbolic import SymbolicError, choice, eval_symbolic, select
 from tv_ray.simulate import draw_inputs
 from tv_ray.terms import Kind, postorder, var
-from tv_ray.terms.onehot import is_indicator, parse
+from tv_ray.terms.atom import Atom
+from tv_ray.terms.onehot import is_indicator
 
 REAL = {"exp": math.exp, "log": math.log, "rsqrt": lambda x: 1 / math.sqrt(x), "sqrt": math.sqrt,
         "sigmoid": lambda x: 1 / (1 + math.exp(-x)), "tanh": math.tanh, "cos": math.cos, "sin": math.sin,
@@ -31,8 +32,7 @@ def evaluate(term, atoms: dict, ints: dict) -> float:
             v = float(node.payload)
         elif node.kind is Kind.VAR:
             if is_indicator(node.payload):
-                base, value, _ = parse(node.payload)
-                v = float(ints[base] == value)
+                v = float(ints[node.payload.element] == node.payload.onehot[0])
             else:
                 v = atoms[node.payload]
         elif node.kind is Kind.ADD:
@@ -63,7 +63,7 @@ def test_every_node_of_a_training_step_matches_the_concrete_rule(model):
     for spec in graph.inputs:
         if spec.dtype == "int":
             for idx in np.ndindex(values[spec.name].shape):
-                ints[f"{spec.name}[{','.join(map(str, idx))}]"] = int(values[spec.name][idx])
+                ints[Atom(spec.name, idx)] = int(values[spec.name][idx])
     atoms = {}
     for term, (tensor, idx) in lt.atom_of.items():
         atoms[term.payload] = float(values[tensor][idx])
@@ -83,11 +83,11 @@ def test_every_node_of_a_training_step_matches_the_concrete_rule(model):
 
 
 def test_choice_select_and_int_ops():
-    t = choice("tok[0]", 3)
+    t = choice(Atom("tok", (0,)), 3)
     row = [var("w0"), var("w1"), var("w2")]
     picked = select(t, row)
     for v in range(3):
-        assert evaluate(picked, {"w0": 1.0, "w1": 2.0, "w2": 4.0}, {"tok[0]": v}) == [1.0, 2.0, 4.0][v]
+        assert evaluate(picked, {"w0": 1.0, "w1": 2.0, "w2": 4.0}, {Atom("tok", (0,)): v}) == [1.0, 2.0, 4.0][v]
     node = Node.make("e", "eq", ["a"], {"other": 1}, [], "bool")
     out = eval_symbolic(node, [np.asarray(t, dtype=object)], {})
     assert out.item().table == (False, True, False)
@@ -96,8 +96,8 @@ def test_choice_select_and_int_ops():
 def test_two_data_elements_in_one_int_value_are_refused():
     node = Node.make("s", "add", ["a", "b"], {}, [], "int")
     with pytest.raises(SymbolicError, match="depends on two data elements"):
-        eval_symbolic(node, [np.asarray(choice("a[0]", 2), dtype=object),
-                             np.asarray(choice("b[0]", 2), dtype=object)], {})
+        eval_symbolic(node, [np.asarray(choice(Atom("a", (0,)), 2), dtype=object),
+                             np.asarray(choice(Atom("b", (0,)), 2), dtype=object)], {})
 
 
 def test_an_op_without_a_symbolic_rule_is_named():

@@ -69,7 +69,7 @@ class Verdict:
             return Verdict(Status.PROVED, tier, method or result.method, seconds, axioms or result.axioms)
         if isinstance(result, Refuted):
             return Verdict(Status.REFUTED, tier, method or "refuted", seconds, axioms, element=element,
-                           point={k: str(v) for k, v in sorted(result.point.items())},
+                           point={str(k): str(v) for k, v in sorted(result.point.items(), key=lambda kv: str(kv[0]))},
                            values=(_fmt(result.lhs_value), _fmt(result.rhs_value)))
         if isinstance(result, Unknown):
             return Verdict(Status.UNKNOWN, tier, method or "none", seconds, axioms, reason=result.reason)

@@ -3,6 +3,8 @@
     >>> StageId.group((0, 4), "mm_15"), StageId.input(3, "tokens")
     (StageId('g0,4/mm_15'), StageId('in:r3/tokens'))
 
+The free parts of a partial claim's split are typed too (`Part`).
+
 Kinds: ``in`` a rank's program input (boundary lineage), ``r`` one rank's
 tensor, ``g`` a group's partial sum, ``opaque`` an op without a symbolic
 rule. The text form (``str``) is what certificates, reports and variable
@@ -46,4 +48,15 @@ class StageId(NamedTuple):
         return f"StageId({str(self)!r})"
 
 
-__all__ = ["StageId"]
+class Part(NamedTuple):
+    """The free part `p` of the split of a partial claim `cid` over its group: the base of that part's atoms
+    (text ``<cid>#<p>``), so renaming a slot renames `cid`'s ranks, never text."""
+
+    cid: StageId
+    p: int
+
+    def __str__(self) -> str:
+        return f"{self.cid}#{self.p}"
+
+
+__all__ = ["StageId", "Part"]

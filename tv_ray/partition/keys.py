@@ -12,52 +12,48 @@ becomes ``onehot:t0[0,0]=2/4`` in a formula whose first token element is [3,1].
 """
 from __future__ import annotations
 
-import functools
 import hashlib
-import re
 from typing import Iterable, Mapping
 
+from tv_ray.partition.ids import Part
 from tv_ray.terms import Kind, Term, postorder
-from tv_ray.terms.onehot import PREFIX, is_indicator, parse
+from tv_ray.terms.atom import Atom
 
 KEY_VERSION = b"tv-ray-key/2"
 
 
-_ATOM = re.compile(r"^(?P<pre>onehot:)?(?P<base>.*)\[(?P<idx>\d+(?:,\d+)*)?\](?P<post>=\d+/\d+)?$")
-_SLOT = re.compile(r"^(?:[rg][\d,]+/)")        # the rank / group prefix of a free or opaque atom's base
+def _slot_free(base) -> str:
+    """A free or opaque base's text without its rank or group: a partial claim's part on any slot sorts as
+    the same part."""
+    return f"{base.cid.tensor}#{base.p}" if isinstance(base, Part) else str(base)
 
 
-@functools.lru_cache(maxsize=1 << 20)
-def _parse(name: str) -> tuple[str, str, tuple[int, ...], str] | None:
-    m = _ATOM.match(name)
-    if m is None:
-        return None
-    idx = tuple(int(i) for i in m["idx"].split(",")) if m["idx"] else ()
-    return m["pre"] or "", m["base"], idx, m["post"] or ""
-
-
-def relative_names(names: Iterable[str], order: Mapping[str, int]) -> dict[str, str]:
-    """Slot-free names for a formula's variables: each tensor's element indices shifted so the smallest index
-    it uses on each dimension is 0; logical tensors numbered by their logical order relative to the earliest
-    one the formula reads; other bases (free splits of partial sums, opaque values) numbered in the order of
-    their names without the rank or group prefix; other names kept behind "=". Injective."""
-    parsed, low, out = {}, {}, {}
+def relative_names(names: Iterable, order: Mapping[str, int]) -> dict:
+    """Slot-free names for a formula's variables (each an `Atom` or a plain name): each tensor's element indices
+    shifted so the smallest index it uses on each dimension is 0; logical tensors numbered by their logical
+    order relative to the earliest one the formula reads; other bases (free splits of partial sums, opaque
+    values) numbered in the order of their text without the rank or group; plain names kept behind "=".
+    Injective. Each name maps to its relative text and, for a one-hot indicator, its data element's."""
+    atoms_, low, out = [], {}, {}
     for name in names:
-        p = _parse(name)
-        if p is None:
-            out[name] = "=" + name
+        if not isinstance(name, Atom):
+            out[name] = ("=" + name, None)
             continue
-        parsed[name] = p
-        base, idx = p[1], p[2]
+        atoms_.append(name)
+        base, idx = name.base, name.idx
         low[base] = idx if base not in low else tuple(map(min, low[base], idx))
-    logical = [b for b in low if b in order]
+    logical = [b for b in low if isinstance(b, str) and b in order]
     first = min((order[b] for b in logical), default=0)
-    others = sorted((b for b in low if b not in order), key=lambda b: (_SLOT.sub("", b), b))
+    others = sorted((b for b in low if not (isinstance(b, str) and b in order)), key=lambda b: (_slot_free(b), str(b)))
     label = {b: f"t{order[b] - first}" for b in logical} | {b: f"f{i}" for i, b in enumerate(others)}
-    for name, (pre, base, idx, post) in parsed.items():
-        out[name] = f"{pre}{label[base]}[{','.join(str(i - j) for i, j in zip(idx, low[base]))}]{post}"
-    if len(set(out.values())) != len(out):       # a renaming that merged two variables would be unsound
-        raise AssertionError(f"relative names are not injective: {sorted(out.items())[:4]}")
+    for name in atoms_:
+        element = f"{label[name.base]}[{','.join(str(i - j) for i, j in zip(name.idx, low[name.base]))}]"
+        if name.onehot is None:
+            out[name] = (element, None)
+        else:
+            out[name] = (f"onehot:{element}={name.onehot[0]}/{name.onehot[1]}", element)
+    if len({text for text, _ in out.values()}) != len(out):       # a renaming that merged two variables: unsound
+        raise AssertionError(f"relative names are not injective: {sorted(map(str, out.items()))[:4]}")
     return out
 
 
@@ -76,7 +72,7 @@ def formula_key(lhs: list[Term], rhs: list[Term], order: Mapping[str, int] | Non
         roots += [left, right]
     nodes = postorder(*roots)
     relative = relative_names((n.payload for n in nodes if n.kind is Kind.VAR), order or {})
-    first = content_digests(nodes, relative.__getitem__)
+    first = content_digests(nodes, lambda name: relative[name][0])
     alpha = _first_occurrence(roots, first, relative)
     final = content_digests(nodes, alpha.__getitem__)
     h = hashlib.sha256(KEY_VERSION + len(roots).to_bytes(8, "big"))
@@ -108,7 +104,7 @@ def content_digests(nodes: list[Term], name_of) -> dict[Term, bytes]:
     return digest
 
 
-def _first_occurrence(roots: list[Term], digest: dict[Term, bytes], relative: dict[str, str]) -> dict[str, str]:
+def _first_occurrence(roots: list[Term], digest: dict[Term, bytes], relative: dict) -> dict:
     """v0, v1, ... (one-hot indicators: d0, d1, ... per data element) in order of first occurrence, visiting
     summands and factors in digest order (equal digests are equal subterms: their order does not matter)."""
     names: dict[str, str] = {}
@@ -121,11 +117,11 @@ def _first_occurrence(roots: list[Term], digest: dict[Term, bytes], relative: di
             continue
         seen.add(node)
         if node.kind is Kind.VAR:
-            name = relative[node.payload]
-            if is_indicator(name):
-                element, v, n = parse(name)
+            element = relative[node.payload][1]
+            if element is not None:         # a one-hot indicator: numbered by its data element
+                v, n = node.payload.onehot
                 elements.setdefault(element, f"d{len(elements)}")
-                names[node.payload] = f"{PREFIX}{elements[element]}={v}/{n}"
+                names[node.payload] = f"onehot:{elements[element]}={v}/{n}"
             else:
                 names[node.payload] = f"v{len(names)}"
             continue

@@ -23,11 +23,11 @@ import numpy as np
 
 from tv_ray.ir import Graph, Node, Op
 from tv_ray.ir.ops import VIEWS
-from tv_ray.partition.keys import _parse
 from tv_ray.partition.symmetry import Blocks
 from tv_ray.semantics.symbolic import INF, NEG_INF, STRUCTURAL, choice, eval_symbolic
 from tv_ray.semantics.table import instantiate_shape
 from tv_ray.terms import Kind, Term, sum_, var
+from tv_ray.terms.atom import Atom
 
 SHAPE_ONLY = frozenset({Op.FULL_LIKE})      # reads only its input's shape
 MOVES_ELEMENTS = VIEWS | {Op.CLONE}         # each output element is one input element
@@ -36,14 +36,12 @@ DERIVE_DEPTH = 24
 DERIVE_COMPUTE = 4
 
 
-def atom_name(tensor: str, idx: tuple[int, ...]) -> str:
-    return f"{tensor}[{','.join(map(str, idx))}]"
-
-
-def atoms(tensor: str, shape: tuple[int, ...]) -> np.ndarray:
+def atoms(base, shape: tuple[int, ...]) -> np.ndarray:
+    """One variable per element of a tensor of `shape`, named `Atom(base, idx)` (base: a logical tensor's name,
+    a `Part`, an opaque op's `StageId`)."""
     out = np.empty(shape, dtype=object)
     for idx in np.ndindex(shape):
-        out[idx] = var(atom_name(tensor, idx))
+        out[idx] = var(Atom(base, idx))
     return out
 
 
@@ -77,7 +75,7 @@ class LogicalTerms:
                 high = spec.high.eval(dims) if hasattr(spec.high, "eval") else int(spec.high or 2)
                 arr = np.empty(shape, dtype=object)
                 for idx in np.ndindex(shape):
-                    arr[idx] = choice(atom_name(spec.name, idx), high)
+                    arr[idx] = choice(Atom(spec.name, idx), high)
                 lt.value[spec.name] = arr
             lt.definition[spec.name] = lt.value[spec.name]
         for node in graph.nodes:
@@ -160,8 +158,8 @@ class LogicalTerms:
             return hit[0]
         if self.blocks is None or atom.kind is not Kind.VAR:
             return None
-        parsed = _parse(atom.payload)
-        return parsed[1] if parsed and not parsed[0] and parsed[1] in self._varying else None
+        name = atom.payload
+        return name.base if isinstance(name, Atom) and name.onehot is None and name.base in self._varying else None
 
     def unfolding(self, name: str, present: list[Term]) -> dict[Term, Term]:
         """Atom → definition for the atoms of `name` in `present` (all of them for a tensor without samples)."""
@@ -171,7 +169,7 @@ class LogicalTerms:
         out = {}
         for atom in present:
             hit = self.atom_of.get(atom)
-            out[atom] = self.element_definition(name, hit[1] if hit else _parse(atom.payload)[2])
+            out[atom] = self.element_definition(name, hit[1] if hit else atom.payload.idx)
         return out
 
     def element_definition(self, name: str, idx: tuple[int, ...]) -> Term:
@@ -215,4 +213,4 @@ class LogicalTerms:
         return arr
 
 
-__all__ = ["LogicalTerms", "atoms", "atom_name"]
+__all__ = ["LogicalTerms", "atoms"]

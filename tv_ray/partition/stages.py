@@ -46,8 +46,8 @@ from tv_ray.ir import Node, Op
 from tv_ray.ir.ops import COLLECTIVES
 from tv_ray.partition.claims import Claim
 from tv_ray.partition.keys import content_digests, formula_key
-from tv_ray.partition.logical import LogicalTerms, atom_name, atoms
-from tv_ray.partition.ids import StageId
+from tv_ray.partition.logical import LogicalTerms, atoms
+from tv_ray.partition.ids import Part, StageId
 from tv_ray.partition.symmetry import Mirrors, Moves
 from tv_ray.plan import Plan
 from tv_ray.semantics.symbolic import as_dtype, eval_symbolic, group_rule
@@ -333,13 +333,12 @@ class SymbolicRun(Scheduler):
             return eval_symbolic(node, args, self.dims, state.ctx)
         except TvRayError as err:
             shape = instantiate_shape(node.shape, self.dims)
-            tag = str(StageId.opaque(state.rank, node.name))
             self.opaque[state.rank, node.name] = str(err)
             # Either way the run cannot end proved: every note is a composition problem (see engine.driver).
             if node.dtype == "float":
                 self.notes.append(f"rank {state.rank} {node.name} = {node.op}(...): {err}; its value is left "
                                   f"unconstrained")
-                return atoms(tag, shape)
+                return atoms(StageId.opaque(state.rank, node.name), shape)
             self.notes.append(f"rank {state.rank} {node.name} = {node.op}(...): {err}; integer values cannot be "
                               f"left unconstrained, so nothing after it is proved")
             return np.full(shape, 0, dtype=object)
@@ -524,7 +523,7 @@ class SymbolicRun(Scheduler):
             conts[_where(claim)] = value
         return value
 
-    def _moved_part(self, rank: int, claim: Claim, cid: str, position: int) -> Moved | None:
+    def _moved_part(self, rank: int, claim: Claim, cid: StageId, position: int) -> Moved | None:
         """A partial claim's part on group member `position`, as microbatch 0's part moved (its free atoms
         swapped with this cut's: `Moves.pair`)."""
         if not self._movable(rank):
@@ -737,7 +736,7 @@ class SymbolicRun(Scheduler):
             return Mirrored(claim.shape)
         return self._part(rank, members, claim, cid)
 
-    def _part(self, rank: int, members, claim: Claim, cid: str):
+    def _part(self, rank: int, members, claim: Claim, cid: StageId):
         """What group member `rank` continues from after a partial claim: its dp block's contribution, for a
         contribution sum over a group spanning the dp blocks (block 0's terms, the others mirrored); else fresh
         atoms, or (the last member) the slice minus the others' — microbatch 0's part moved, where there is one."""
@@ -752,9 +751,9 @@ class SymbolicRun(Scheduler):
         if moved is not None:
             return moved
         if position < len(members) - 1:
-            out = atoms(f"{cid}#{position}", claim.shape)
+            out = atoms(Part(cid, position), claim.shape)
         else:
-            free = [atoms(f"{cid}#{p}", claim.shape) for p in range(len(members) - 1)]
+            free = [atoms(Part(cid, p), claim.shape) for p in range(len(members) - 1)]
             target = self.logical.value_at(claim.logical, claim.slices())
             out = np.empty(claim.shape, dtype=object)
             for idx in np.ndindex(claim.shape):
@@ -920,5 +919,4 @@ def expand(lhs: list[Term], rhs: list[Term], logical: LogicalTerms) -> tuple[lis
     return lhs, rhs
 
 
-__all__ = ["Obligation", "Partition", "LogicalTerms", "SymbolicRun", "fingerprint", "expand", "atoms",
-           "atom_name", "Mirrored"]
+__all__ = ["Obligation", "Partition", "LogicalTerms", "SymbolicRun", "fingerprint", "expand", "atoms", "Mirrored"]

@@ -34,7 +34,6 @@ sum over blocks of the op applied to each block (`Blocks.sums`).
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -43,15 +42,15 @@ from tv_ray.errors import Asymmetric
 from tv_ray.ir import Graph, Node, Op
 from tv_ray.ir.ops import ELEMENTWISE, RANK_DEPENDENT
 from tv_ray.partition.claims import Claim
-from tv_ray.partition.ids import StageId
+from tv_ray.partition.ids import Part, StageId
 from tv_ray.plan import Plan
 from tv_ray.semantics.shapes import norm_dim
 from tv_ray.semantics.table import instantiate_attrs, instantiate_shape
 from tv_ray.terms import Kind, Term, postorder, substitute, var
+from tv_ray.terms.atom import Atom
 
 BATCH, DP = "batch", "dp"
 SHAPE_ATTRS = frozenset({"size", "input_size"})     # attrs that may name the batch in a batch-carrying op
-_NAME = re.compile(r"^(?P<pre>onehot:)?(?P<base>[^\[]+)\[(?P<idx>\d+(?:,\d+)*)?\](?P<post>=\d+/\d+)?$")
 
 
 @dataclass(frozen=True)
@@ -246,16 +245,13 @@ class Blocks:
         return blocks
 
     # -- renaming block 0 to block k ---------------------------------------------------------------
-    def rename_name(self, name: str, k: int, width: int = 1) -> str:
-        """The variable of blocks [k·width, (k+1)·width) corresponding to `name` of blocks [0, width) (and
-        back: the two runs of blocks swap; names elsewhere stay)."""
-        m = _NAME.match(name)
-        if m is None or not m["idx"]:
-            return name
-        tag = self.tags.get(m["base"])
+    def rename_name(self, name, k: int, width: int = 1):
+        """The variable of blocks [k·width, (k+1)·width) corresponding to `name` (an `Atom`) of blocks [0, width)
+        (and back: the two runs of blocks swap; other names stay)."""
+        tag = self.tags.get(name.base) if isinstance(name, Atom) and name.idx else None
         if tag is None:
             return name
-        idx = [int(i) for i in m["idx"].split(",")]
+        idx = list(name.idx)
         span = self.size * tag.q * width
         run = idx[tag.dim] // span
         if run == 0:
@@ -264,15 +260,14 @@ class Blocks:
             idx[tag.dim] -= k * span
         else:
             return name
-        return f"{m['pre'] or ''}{m['base']}[{','.join(map(str, idx))}]{m['post'] or ''}"
+        return name._replace(idx=tuple(idx))
 
-    def block_of(self, name: str) -> int | None:
+    def block_of(self, name) -> int | None:
         """The block (of one microbatch) a variable's sample lies in; None for a variable without samples."""
-        m = _NAME.match(name)
-        tag = self.tags.get(m["base"]) if m is not None and m["idx"] else None
+        tag = self.tags.get(name.base) if isinstance(name, Atom) and name.idx else None
         if tag is None:
             return None
-        return int(m["idx"].split(",")[tag.dim]) // (self.size * tag.q)
+        return name.idx[tag.dim] // (self.size * tag.q)
 
     def rename(self, terms, k: int, extra=None, width: int = 1):
         """Terms (an object array or a list) with the variables of blocks [0, width) renamed to those of
@@ -317,15 +312,18 @@ class Mirrors:
     notes: list[str] = field(default_factory=list)
     image: dict[int, dict[int, int]] = field(default_factory=dict)   # block k -> the rank swap of dp 0 and k
 
-    def rank_name(self, name: str, k: int) -> str:
-        """A free or opaque variable of dp 0's slots renamed to dp k's (ranks in its prefix swapped)."""
-        def moved(m):
-            ranks = [int(x) for x in m["ranks"].split(",")]
-            if len({self.block[r] for r in ranks if self.block[r] in (0, k)}) > 1:
-                raise Asymmetric(f"{name} belongs to a group across dp ranks 0 and {k}: its part is not a renaming")
-            ranks = [self.image[k].get(r, r) for r in ranks]
-            return f"{m['kind']}{','.join(map(str, ranks))}/"
-        return SLOT_VAR.sub(moved, name, count=1)
+    def rank_name(self, name, k: int):
+        """A free or opaque variable of dp 0's slots renamed to dp k's (the ranks of its stage swapped)."""
+        if not isinstance(name, Atom):
+            return name
+        base = name.base
+        cid = base.cid if isinstance(base, Part) else base if isinstance(base, StageId) else None
+        if cid is None:
+            return name
+        if len({self.block[r] for r in cid.ranks if self.block[r] in (0, k)}) > 1:
+            raise Asymmetric(f"{name} belongs to a group across dp ranks 0 and {k}: its part is not a renaming")
+        moved = cid.with_ranks(tuple(self.image[k].get(r, r) for r in cid.ranks))
+        return name._replace(base=base._replace(cid=moved) if isinstance(base, Part) else moved)
 
     def rename_id(self, cid: StageId, k: int) -> StageId:
         """A stage or claim id of dp 0's slots as dp k's (a group across dp ranks 0 and k is the same group)."""
@@ -336,7 +334,8 @@ class Mirrors:
     def names_slots(self, terms) -> bool:
         """Do the terms name a rank's or a group's own variables (free parts, opaque values)?"""
         roots = [t for t in terms if isinstance(t, Term)]
-        return any(n.kind is Kind.VAR and SLOT_VAR.match(n.payload) for n in postorder(*roots))
+        return any(n.kind is Kind.VAR and isinstance(n.payload, Atom) and isinstance(n.payload.base, (Part, StageId))
+                   for n in postorder(*roots))
 
     def rename(self, terms, k: int):
         """Terms of dp 0's slots as dp k's: block 0 renamed to block k, rank prefixes swapped."""
@@ -348,11 +347,6 @@ class Mirrors:
         if tag is None or k == 0:
             return claim
         return claim.shifted(tag.dim, k * self.width * self.blocks.size * tag.q)
-
-
-# the stage-id prefix of a variable's name (a free part of a partial claim, an opaque value): term variables are
-# named by text, so renaming a variable reads its stage's ranks back from the name
-SLOT_VAR = re.compile(r"(?P<kind>in:r|opaque:r|[rg])(?P<ranks>\d+(?:,\d+)*)/")
 
 
 def mirrors(plan: Plan, dims: dict[str, int]) -> Mirrors:
@@ -439,9 +433,6 @@ def _ranks(ranks: list[int]) -> str:
 __all__ = ["Tag", "Blocks", "Mirrors", "mirrors", "find_mirrors", "tags_of", "expected_tag", "CONTRIBUTION_SUMS"]
 
 
-_PART = re.compile(r"^(?P<cid>.+)#(?P<p>\d+)\[")      # a free atom of a partial claim's part: `cid#p[idx]`
-
-
 class Moves:
     """Microbatch symmetry inside one rank: a value of microbatch k as microbatch 0's, renamed.
 
@@ -460,13 +451,11 @@ class Moves:
 
     def __init__(self, blocks: Blocks):
         self.blocks = blocks
-        self.pairs: dict[int, dict[str, str]] = {}        # k -> cut id <-> cut id (both directions)
+        self.pairs: dict[int, dict[StageId, StageId]] = {}        # k -> cut id <-> cut id (both directions)
 
     def pair(self, k: int, first: StageId, other: StageId) -> bool:
-        """Match the partial cut `other` (microbatch k) with `first` (microbatch 0); False if either is taken.
-        Kept by the ids' text: that is how the free parts' variable names carry them."""
+        """Match the partial cut `other` (microbatch k) with `first` (microbatch 0); False if either is taken."""
         pairs = self.pairs.setdefault(k, {})
-        first, other = str(first), str(other)
         if pairs.get(first, other) != other or pairs.get(other, first) != first:
             return False
         pairs[first], pairs[other] = other, first
@@ -476,10 +465,10 @@ class Moves:
         """Terms of microbatch 0 as microbatch k's."""
         return self.blocks.rename(terms, k, lambda name: self._part(name, k))
 
-    def _part(self, name: str, k: int) -> str:
-        m = _PART.match(name) if "#" in name else None
-        swap = self.pairs.get(k, {}).get(m["cid"]) if m else None
-        return name if swap is None else f"{swap}{name[len(m['cid']):]}"
+    def _part(self, name, k: int):
+        base = name.base if isinstance(name, Atom) else None
+        swap = self.pairs.get(k, {}).get(base.cid) if isinstance(base, Part) else None
+        return name if swap is None else name._replace(base=base._replace(cid=swap))
 
     def footprint(self, terms) -> tuple[frozenset[int], bool]:
         """The blocks whose samples the terms read, and whether they read a partial claim's free part."""
@@ -491,7 +480,7 @@ class Moves:
                 b = self.blocks.block_of(node.payload)
                 if b is not None:
                     blocks.add(b)
-                parts = parts or bool("#" in node.payload and _PART.match(node.payload))
+                parts = parts or (isinstance(node.payload, Atom) and isinstance(node.payload.base, Part))
         for t in flat:
             if isinstance(t, Choice):
                 b = self.blocks.block_of(t.base)

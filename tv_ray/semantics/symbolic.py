@@ -35,6 +35,7 @@ from tv_ray.ir.ops import Op, registrar
 from tv_ray.semantics.rules_reduce import _reduced_dims
 from tv_ray.semantics.table import Context, instantiate_attrs, instantiate_shape, rule_for
 from tv_ray.terms import ONE, ZERO, Term, app, const, exp, log, max_, pow_, sum_
+from tv_ray.terms.atom import Atom
 from tv_ray.terms.onehot import indicator
 
 
@@ -50,9 +51,10 @@ def _exp(t: Term) -> Term:
 
 @dataclass(frozen=True)
 class Choice:
-    """An int/bool value depending on one integer data element `base` in [0, len(table)): value = table[base]."""
+    """An int/bool value depending on one integer data element `base` (an `Atom`) in [0, len(table)):
+    value = table[base]."""
 
-    base: str
+    base: Atom
     table: tuple
 
     def __post_init__(self):
@@ -60,7 +62,7 @@ class Choice:
             raise SymbolicError(f"integer element {self.base} has an empty range")
 
 
-def choice(base: str, high: int) -> Choice:
+def choice(base: Atom, high: int) -> Choice:
     """The int data element `base`, ranging over [0, high)."""
     return Choice(base, tuple(range(high)))
 
@@ -101,7 +103,7 @@ def lift_int(fn: Callable, *xs):
     if not bases:
         return fn(*xs)
     if len(bases) > 1:
-        raise SymbolicError(f"an integer value depends on two data elements ({', '.join(sorted(bases))}); "
+        raise SymbolicError(f"an integer value depends on two data elements ({', '.join(sorted(map(str, bases)))}); "
                             f"this is outside the symbolic domain")
     n = next(len(x.table) for x in xs if isinstance(x, Choice))
     table = tuple(fn(*(x.table[v] if isinstance(x, Choice) else x for x in xs)) for v in range(n))

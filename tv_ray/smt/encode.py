@@ -131,7 +131,7 @@ def encode(lhs: Term, rhs: Term, lemmas: Iterable[tuple[Term, Term]] = ()) -> En
     mgr = get_env().formula_manager
     nodes = postorder(lhs, rhs, *(t for pair in lemmas for t in pair))
 
-    var_names = sorted({n.payload for n in nodes if n.kind is Kind.VAR})
+    var_names = sorted({n.payload for n in nodes if n.kind is Kind.VAR}, key=str)
     var_sym = {name: mgr.Symbol(f"x{i}", REAL) for i, name in enumerate(var_names)}
     fun_keys = sorted({(n.payload, len(n.args)) for n in nodes if n.kind is Kind.APP and n.payload != "max"})
     fun_sym = {(name, arity): mgr.Symbol(f"f{i}_{arity}", FunctionType(REAL, [REAL] * arity) if arity else REAL)

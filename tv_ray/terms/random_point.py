@@ -135,7 +135,7 @@ class _Evaluator:
         return max(self._mpf(v) for v in vs)
 
 
-def _random_point(rng: random.Random, names: list[str]) -> dict[str, Fraction]:
+def _random_point(rng: random.Random, names: list) -> dict:
     """Random rationals; one-hot indicators of integer data get a consistent 0/1 pattern."""
     point = {n: Fraction(rng.randint(-24, 24), rng.randint(1, 7)) for n in names if not onehot.is_indicator(n)}
     point.update(onehot.draw([n for n in names if onehot.is_indicator(n)], rng))
@@ -158,7 +158,7 @@ def refute(lhs: Term, rhs: Term, points: int = DEFAULT_POINTS, seed: int = 0, di
     ctx = mpmath.MPContext()
     ctx.dps = digits
     ev = _Evaluator(rng, ctx, key_digits=max(10, (digits * 2) // 3))
-    names = sorted(n.payload for n in postorder(lhs, rhs) if n.kind is Kind.VAR)
+    names = sorted((n.payload for n in postorder(lhs, rhs) if n.kind is Kind.VAR), key=str)
     tolerance = ctx.mpf(10) ** (-(digits // 2))
     max_tries = max_tries if max_tries is not None else 16 * points
     valid = 0

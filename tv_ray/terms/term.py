@@ -32,6 +32,7 @@ from fractions import Fraction
 from typing import Callable, Iterable, TypeVar
 
 from tv_ray.errors import TermError
+from tv_ray.terms.atom import Atom
 
 
 class Kind(enum.IntEnum):
@@ -76,8 +77,8 @@ class Term:
         return self.digest.hex()
 
     @property
-    def name(self) -> str:
-        """The variable name or function name (VAR and APP only)."""
+    def name(self) -> "str | Atom":
+        """The variable name (a str or an Atom) or function name (VAR and APP only)."""
         if self.kind not in (Kind.VAR, Kind.APP):
             raise TermError(f"a {self.kind.name} term has no name", term=self)
         return self.payload  # type: ignore[return-value]
@@ -159,8 +160,11 @@ def _payload_bytes(kind: Kind, payload) -> bytes:
         return f"{payload.numerator}/{payload.denominator}".encode()
     if kind is Kind.POW:
         return str(payload).encode()
-    if kind in (Kind.VAR, Kind.APP):
+    if kind is Kind.APP:
         return payload.encode()
+    if kind is Kind.VAR:
+        # an Atom by its text; a plain name behind a NUL, which no Atom's text has: the two never share a digest
+        return str(payload).encode() if isinstance(payload, Atom) else b"\x00" + payload.encode()
     return b""
 
 
@@ -211,10 +215,10 @@ ONE = const(1)
 MINUS_ONE = const(-1)
 
 
-def var(name: str) -> Term:
-    """A real-valued variable."""
-    if not isinstance(name, str) or not name:
-        raise TermError(f"variable name {name!r} must be a non-empty string")
+def var(name: "str | Atom") -> Term:
+    """A real-valued variable, named by a non-empty string or by an `Atom` (one element of a tensor)."""
+    if not isinstance(name, Atom) and (not isinstance(name, str) or not name):
+        raise TermError(f"variable name {name!r} must be an Atom or a non-empty string")
     return _make(Kind.VAR, name, ())
 
 
@@ -404,7 +408,7 @@ def depth(root: Term) -> int:
 
 def variables(*roots: Term) -> list[Term]:
     """The variables of the terms, sorted by name."""
-    return sorted((n for n in postorder(*roots) if n.kind is Kind.VAR), key=lambda v: v.payload)
+    return sorted((n for n in postorder(*roots) if n.kind is Kind.VAR), key=lambda v: str(v.payload))
 
 
 def to_str(root: Term, max_chars: int | None = None) -> str:
@@ -438,7 +442,7 @@ def _pieces(node: Term) -> list:
         s = str(q.numerator) if q.denominator == 1 else f"{q.numerator}/{q.denominator}"
         return [f"({s})" if q < 0 or q.denominator != 1 else s]
     if k is Kind.VAR:
-        return [node.payload]
+        return [str(node.payload)]
     if k is Kind.POW:
         base = node.args[0]
         wrap = base.kind in (Kind.ADD, Kind.MUL, Kind.POW)
@@ -457,7 +461,8 @@ def _pieces(node: Term) -> list:
 # -- flat serialization (shipping terms between processes) ------------------------------------
 
 def to_table(*roots: Term) -> dict:
-    """A JSON-able flat node table: {"nodes": [[kind, payload, [arg indices]], ...], "roots": [...]}."""
+    """A flat node table to pickle: {"nodes": [[kind, payload, [arg indices]], ...], "roots": [...]} (a variable's
+    payload is its name: a str or an `Atom`)."""
     index: dict[Term, int] = {}
     nodes: list[list] = []
     for node in postorder(*roots):
