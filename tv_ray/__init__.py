@@ -10,9 +10,22 @@ Example::
 """
 __version__ = "0.1.0"
 
-from tv_ray.api import (ParallelSpec, Plan, Result, capture, capture_step, parallelize, simulate,  # noqa: E402
-                        verify)
 from tv_ray.errors import TvRayError  # noqa: E402
+from tv_ray.parallel.spec import ParallelSpec  # noqa: E402
+from tv_ray.plan import Plan  # noqa: E402
+from tv_ray.simulate import simulate  # noqa: E402  (the function, not the module of the same name)
+
+_API = ("Result", "capture", "capture_step", "parallelize", "verify")
+
+
+def __getattr__(name: str):
+    # the API (and torch behind it) is imported on first use: a solver actor importing tv_ray.engine needs
+    # neither, and starts seconds sooner
+    if name in _API:
+        from tv_ray import api
+        return getattr(api, name)
+    raise AttributeError(f"module 'tv_ray' has no attribute {name!r}")
+
 
 __all__ = ["ParallelSpec", "Plan", "Result", "TvRayError", "capture", "capture_step", "parallelize", "simulate",
            "verify"]

@@ -13,13 +13,14 @@ Example::
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+import sys
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
-from tv_ray.errors import CaptureError, ParallelConfigError
+from tv_ray.errors import CaptureError, ParallelConfigError, SettingsError, TvRayError
 from tv_ray.frontend.capture import capture
-from tv_ray.frontend.optim import capture_step as _capture_step
+from tv_ray.frontend.optim import RECIPE, capture_step as _capture_step
 from tv_ray.ir.graph import Graph
 from tv_ray.models import ModelSpec, get, list_models
 from tv_ray.parallel.recipe import parallelize as _parallelize
@@ -39,7 +40,8 @@ def _spec(model: str | ModelSpec, dims: Mapping[str, int] | None, tied: bool | N
     return spec.with_dims(**changes) if changes else spec
 
 
-def capture_step(model, inputs=None, *, optim: str = "sgd", clip: float | None = None, tied: bool | None = None,
+def capture_step(model, inputs=None, *, optim: str = RECIPE["optim"], clip: float | None = RECIPE["clip"],
+                 tied: bool | None = None,
                  dims: Mapping[str, int] | None = None, int_highs: Mapping[str, int] | None = None,
                  **hyper) -> Graph:
     """The logical graph of one training step (forward, loss, backward, optimizer update).
@@ -61,12 +63,15 @@ def capture_step(model, inputs=None, *, optim: str = "sgd", clip: float | None =
 
 
 def parallelize(graph: Graph, spec: str | ParallelSpec, *, model: str | ModelSpec = "model",
-                dims: Mapping[str, int] | None = None, layers: int | None = None, **flags) -> Plan:
+                dims: Mapping[str, int] | None = None, layers: int | None = None,
+                recipe: Mapping | None = None, **flags) -> Plan:
     """The plan that runs `graph` under `spec` (``"dp=2,tp=2,pp=2,mb=2"``; flags sp, zero).
 
     For a built-in model, pass its name as `model`; its dims and layer count
-    are taken from it. For another graph pass `dims` (the full value of every
-    named dim its shapes use; none for a graph with constant shapes).
+    are taken from it, and `recipe` (``{"optim": "adamw", "clip": 1.0, "tied": None}``, how `graph` was
+    captured) is recorded in the plan with the parallel spec so that verification can capture the model again and say whether
+    the plan's logical graph is that capture. For another graph pass `dims` (the full value of every named
+    dim its shapes use; none for a graph with constant shapes).
     """
     if isinstance(spec, str):
         spec = ParallelSpec.parse(spec, **flags)
@@ -77,7 +82,34 @@ def parallelize(graph: Graph, spec: str | ParallelSpec, *, model: str | ModelSpe
         model_spec = _spec(model, None, None)
         dims = {**model_spec.dims, **(dims or {})}
         layers = layers or model_spec.config.layers
-    return _parallelize(graph, spec, dict(dims or {}), name, layers=layers)
+    plan = _parallelize(graph, spec, dict(dims or {}), name, layers=layers)
+    if recipe is not None:
+        plan = replace(plan, recipe={"optim": recipe.get("optim", RECIPE["optim"]),
+                                     "clip": recipe.get("clip", RECIPE["clip"]), "tied": recipe.get("tied"),
+                                     "parallel": str(spec)})
+    return plan
+
+
+def reference(plan: Plan, captured: Graph | None = None) -> dict:
+    """What every proof of `plan` is about: its logical graph, named by its hash, and — when the plan names
+    a built-in model and the recipe it was captured with — whether that graph is a fresh capture of the
+    model (`captured`: one made in this run, so not made again). ``capture`` is "matches", "differs" or
+    None (nothing to capture again)::
+
+        reference(plan)   # {'logical_sha256': '3f…', 'model': 'llama3-tiny', 'recipe': {...}, 'capture': 'matches'}
+    """
+    from tv_ray.certificate.write import logical_digest
+    out = {"logical_sha256": logical_digest(plan.logical), "model": plan.model, "recipe": plan.recipe,
+           "capture": None}
+    if plan.recipe is None or plan.model not in list_models():
+        return out
+    if captured is None:
+        spec = get(plan.model)
+        dims = {d: plan.dims[d] for d in spec.dim_names if d in plan.dims}
+        captured = capture_step(plan.model, optim=plan.recipe["optim"], clip=plan.recipe["clip"],
+                                tied=plan.recipe["tied"], dims=dims)
+    out["capture"] = "matches" if logical_digest(captured) == out["logical_sha256"] else "differs"
+    return out
 
 
 @dataclass(repr=False)
@@ -90,6 +122,7 @@ class Result:
     report: dict
     settings: dict
     plan_path: str | None = None
+    reference: dict | None = None
     certificate: dict | None = field(default=None)
 
     @property
@@ -117,7 +150,7 @@ class Result:
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         if self.proved:
-            self.certificate = write_certificate(self.outcome, out, self.plan_path, self.settings)
+            self.certificate = write_certificate(self.outcome, out, self.plan_path, self.settings, self.reference)
             (out / "report.json").unlink(missing_ok=True)
             return out / "certificate.json"
         write_obligations(self.outcome, out / "obligations.parquet")
@@ -126,7 +159,8 @@ class Result:
         return out / "report.json"
 
 
-def verify(model_or_plan=None, parallel: str | None = None, *, optim: str = "adamw", clip: float | None = 1.0,
+def verify(model_or_plan=None, parallel: str | None = None, *, optim: str = RECIPE["optim"],
+           clip: float | None = RECIPE["clip"],
            sp: bool = False, zero: int = 0, dims: Mapping[str, int] | None = None, tied: bool | None = None,
            solvers=("z3", "cvc5", "yices"), timeout: float = 10.0,
            jobs: int | None = None, progress: bool | None = None, seed: int = 0, executor=None,
@@ -155,38 +189,74 @@ def verify(model_or_plan=None, parallel: str | None = None, *, optim: str = "ada
     from tv_ray.engine.solve import Budget
     settings = {"solvers": list(solvers), "timeout_s": timeout, "seed": seed, "symmetry": symmetry, "shards": shards}
     saved = Checkpoint(checkpoint) if checkpoint is not None else None
-    plan_path = None
+    plan_path, captured = None, None
     if resume:
         if saved is None or model_or_plan is not None:
             raise ParallelConfigError("resume continues the run in checkpoint=OUT: give that, and no plan or model")
         plan, settings = saved.resume()
-    elif isinstance(model_or_plan, Plan) or (isinstance(model_or_plan, (str, Path))
-                                             and str(model_or_plan).endswith(".json")):
-        given = [name for name, on in (("parallel", parallel is not None), ("sp", sp), ("zero", zero != 0),
-                                       ("tied", tied is not None), ("dims", bool(dims))) if on]
-        if given:
-            raise ParallelConfigError(f"{', '.join(given)} build a plan from a model name; a plan is verified "
-                                      "as it is")
-        if isinstance(model_or_plan, Plan):
-            plan = model_or_plan
-        else:
-            plan_path = str(Path(model_or_plan).resolve())
-            plan = Plan.load(model_or_plan)
+        budget = Budget(solvers=tuple(settings["solvers"]), timeout_s=settings["timeout_s"], seed=settings["seed"])
     else:
-        if parallel is None:
-            raise ParallelConfigError("verify a model by name needs parallel=..., e.g. 'dp=2,tp=2'")
-        graph = capture_step(model_or_plan, optim=optim, clip=clip, tied=tied, dims=dims)
-        plan = parallelize(graph, parallel, model=model_or_plan, dims=dims, sp=sp, zero=zero)
+        # a solver or timeout that cannot be used fails here, before any capture
+        budget = Budget(solvers=tuple(settings["solvers"]), timeout_s=settings["timeout_s"], seed=settings["seed"])
+        if isinstance(model_or_plan, Plan) or _is_plan_file(model_or_plan):
+            given = [name for name, on in (("parallel", parallel is not None), ("sp", sp), ("zero", zero != 0),
+                                           ("tied", tied is not None), ("dims", bool(dims))) if on]
+            if given:
+                raise ParallelConfigError(f"{', '.join(given)} build a plan from a model name; a plan is verified "
+                                          "as it is")
+            if isinstance(model_or_plan, Plan):
+                plan = model_or_plan
+            else:
+                plan_path = str(Path(model_or_plan).resolve())
+                plan = Plan.load(model_or_plan)
+        else:
+            if parallel is None:
+                raise ParallelConfigError("verify a model by name needs parallel=..., e.g. 'dp=2,tp=2'")
+            _note(progress, f"capturing {model_or_plan}'s training step ({optim}, "
+                            f"{f'clip {clip:g}' if clip else 'no clipping'}) …")
+            captured = capture_step(model_or_plan, optim=optim, clip=clip, tied=tied, dims=dims)
+            plan = parallelize(captured, parallel, model=model_or_plan, dims=dims, sp=sp, zero=zero,
+                               recipe={"optim": optim, "clip": clip, "tied": tied})
     if saved is not None and not resume:
         saved.start(plan, settings)
-    budget = Budget(solvers=tuple(settings["solvers"]), timeout_s=settings["timeout_s"], seed=settings["seed"])
     executor = executor or executor_for(engine, jobs, address)
+    if hasattr(executor, "connect"):
+        _note(progress, f"connecting to Ray ({executor.address or 'a new local Ray on this machine'}) …")
     try:
+        if hasattr(executor, "connect"):
+            executor.connect()
         outcome = verify_plan(plan, budget=budget, executor=executor, progress=progress, seed=settings["seed"],
                               symmetry=settings["symmetry"], checkpoint=saved, shards=settings.get("shards"))
     finally:
         executor.close()
-    return Result(outcome, diagnose(outcome), settings, plan_path)
+    try:
+        ref = reference(plan, captured)
+    except TvRayError as err:         # the model no longer captures as the plan says: the reference is the plan's
+        ref = {**reference(replace(plan, recipe=None)), "capture": f"failed: {err}"}
+    return Result(outcome, diagnose(outcome, ref), settings, plan_path, ref)
 
 
-__all__ = ["capture", "capture_step", "parallelize", "simulate", "verify", "Result", "Plan", "ParallelSpec"]
+def _note(progress: bool | None, text: str) -> None:
+    """A line on stderr about a step that takes seconds with nothing else to show (when progress is shown)."""
+    if (sys.stderr.isatty() if progress is None else progress):
+        print(f"tv-ray: {text}", file=sys.stderr, flush=True)
+
+
+def _is_plan_file(x) -> bool:
+    """A plan file (a path, or a string naming an existing file or ending in .json), not a model name;
+    SettingsError for a string that is neither a file nor a built-in model."""
+    if isinstance(x, Path):
+        return True
+    if not isinstance(x, str):
+        raise SettingsError(f"verify takes a Plan, a plan file or a built-in model name, not {type(x).__name__}",
+                            setting="model_or_plan")
+    if Path(x).is_file() or x.endswith(".json"):
+        return True
+    if x in list_models():
+        return False
+    raise SettingsError(f"{x}: no such plan file, and not a built-in model ({', '.join(list_models())})",
+                        setting="model_or_plan")
+
+
+__all__ = ["capture", "capture_step", "parallelize", "reference", "simulate", "verify", "Result", "Plan",
+           "ParallelSpec"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -25,17 +26,26 @@ from tv_ray.simulate import add_run_parser, parse_dims
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from tv_ray.api import capture_step, parallelize
+    output = Path(args.output)
+    if output.is_dir():
+        print(f"tv-ray plan: -o {args.output} is a directory; give the plan file's path, e.g. {output / 'plan.json'}",
+              file=sys.stderr)
+        return 2
     try:
         start = time.perf_counter()
         dims = parse_dims(args.dims)
         graph = capture_step(args.model, optim=args.optim, clip=args.clip, tied=args.tied, dims=dims or None)
         captured = time.perf_counter()
-        plan = parallelize(graph, args.parallel, model=args.model, dims=dims or None, sp=args.sp, zero=args.zero)
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        plan.save(args.output)
+        plan = parallelize(graph, args.parallel, model=args.model, dims=dims or None, sp=args.sp, zero=args.zero,
+                           recipe={"optim": args.optim, "clip": args.clip, "tied": args.tied})
+        output.parent.mkdir(parents=True, exist_ok=True)
+        plan.save(output)
         done = time.perf_counter()
     except TvRayError as err:
         print(f"tv-ray plan: {' | '.join(str(err).splitlines())}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        print(f"tv-ray plan: cannot write {args.output}: {err.strerror or err}", file=sys.stderr)
         return 2
     print(json.dumps({"plan": args.output, "model": args.model, "parallel": args.parallel, "sp": args.sp,
                       "zero": args.zero, "optim": args.optim, "clip": args.clip, "tied": args.tied,
@@ -54,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="capture a built-in model's training step and parallelize it into a plan",
                           description="Example: tv-ray plan --model llama3-tiny --parallel dp=2,tp=2,pp=2,mb=2 "
                                       "--sp --zero 1 --optim adamw --clip 1.0 -o plan.json")
-    add_model_flags(plan, required=True, optim="sgd", clip=None)
+    add_model_flags(plan, required=True)
     plan.add_argument("-o", "--output", required=True, help="where to write the plan JSON")
     plan.set_defaults(func=cmd_plan)
     add_run_parser(sub)
@@ -64,7 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except BrokenPipeError:
+        # the reader went away (`tv-ray explain OUT | head`): what it read is all it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from tv_ray.models import list_models
 from tv_ray.simulate import parse_dims
 
 EXIT = {"proved": 0, "refuted": 1, "unknown": 2}
+INTERRUPTED = 130         # Ctrl-C: 128 + SIGINT, as shells report it — never "refuted"
 
 
 def _one_line(err: Exception) -> str:
@@ -51,12 +52,36 @@ class _NotedConst(_Noted):
         super().__call__(parser, namespace, self.const, option_string)
 
 
-def add_model_flags(parser: argparse.ArgumentParser, *, required: bool, optim: str, clip: float | None) -> None:
-    """The model and its training recipe, defined once for `tv-ray plan` and `tv-ray verify --model`:
-    --model, --parallel, --sp, --zero, --tied/--untied, --optim, --clip, --dims. `optim` and `clip` are
-    the command's defaults; `required` makes --model and --parallel required. Each of these options given on
+def solver_list(text: str) -> tuple[str, ...]:
+    """--solvers: a comma-separated list of known solvers (argparse type)."""
+    from tv_ray.smt.solvers import BACKENDS
+    names = tuple(s.strip() for s in text.split(",") if s.strip())
+    unknown = [s for s in names if s not in BACKENDS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{'unknown solver ' + ', '.join(map(repr, unknown)) if unknown else 'none'}"
+                                         f"; choose from {','.join(BACKENDS)}")
+    return names
+
+
+def seconds(text: str) -> float:
+    """--timeout: a positive number of seconds (argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (value > 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"{text}: a timeout must be a positive number of seconds")
+    return value
+
+
+def add_model_flags(parser: argparse.ArgumentParser, *, required: bool) -> None:
+    """The model and its training recipe, defined once for `tv-ray plan` and `tv-ray verify --model`, with the
+    same defaults (`tv_ray.frontend.optim.RECIPE`): --model, --parallel, --sp, --zero, --tied/--untied,
+    --optim, --clip, --dims. `required` makes --model and --parallel required. Each of these options given on
     the command line is noted, in order, in ``args.model_flags`` (so a command can refuse the ones it would
     ignore)."""
+    from tv_ray.frontend.optim import RECIPE
+    optim, clip = RECIPE["optim"], RECIPE["clip"]
     parser.set_defaults(model_flags=())
     parser.add_argument("--model", required=required, choices=list_models(), metavar="NAME", action=_Noted,
                         help="a built-in model (see `tv-ray models`)")
@@ -113,17 +138,20 @@ def cmd_verify(args: argparse.Namespace) -> int:
     try:
         result = verify(args.plan or args.model, args.parallel, optim=args.optim, clip=args.clip, sp=args.sp,
                         zero=args.zero, dims=parse_dims(args.dims) or None, tied=args.tied,
-                        solvers=tuple(args.solvers.split(",")), timeout=args.timeout,
+                        solvers=args.solvers, timeout=args.timeout,
                         jobs=args.jobs, progress=False if args.quiet else None, seed=args.seed,
                         symmetry=not args.no_symmetry, engine=args.engine, address=args.address,
                         checkpoint=args.output, resume=args.resume is not None,
                         shards={"auto": None, "on": True, "off": False}[args.shards])
         written = result.save(args.output)
+    except KeyboardInterrupt:
+        _stop_ray()
+        print("tv-ray verify: interrupted", file=sys.stderr)
+        _resume_hint(args.output)
+        return INTERRUPTED
     except (TvRayError, OSError, ValueError) as err:
         print(f"tv-ray verify: {_one_line(err)}", file=sys.stderr)
-        if (Path(args.output) / "checkpoint" / "run.json").exists():
-            print(f"tv-ray verify: the verdicts so far are in {args.output}/checkpoint; continue with "
-                  f"`tv-ray verify --resume {args.output}`", file=sys.stderr)
+        _resume_hint(args.output)
         return 2
     outcome = result.outcome
     if not args.quiet:
@@ -139,20 +167,42 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return EXIT[result.status]
 
 
+def _resume_hint(out: str | None) -> None:
+    if out is not None and (Path(out) / "checkpoint" / "run.json").exists():
+        print(f"tv-ray verify: the verdicts so far are in {out}/checkpoint; continue with "
+              f"`tv-ray verify --resume {out}`", file=sys.stderr)
+
+
+def _stop_ray() -> None:
+    """Stop the Ray this process started (its dashboard and agents go with it), if it started one; a cluster
+    it joined keeps running."""
+    ray = sys.modules.get("ray")
+    if ray is not None:
+        try:
+            ray.shutdown()
+        except Exception:  # noqa: BLE001 — an interrupt may leave Ray half started; shutdown does what it can
+            pass
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     from tv_ray.certificate import check_certificate
     try:
-        report = check_certificate(args.out, sample=args.sample, solvers=tuple(args.solvers.split(",")),
-                                   timeout_s=args.timeout)
+        report = check_certificate(args.out, sample=args.sample, solvers=args.solvers, timeout_s=args.timeout,
+                                   allow_same_method=args.allow_same_method,
+                                   progress=False if args.quiet else None)
     except CertificateError as err:
         print(f"tv-ray check: FAILED: {_one_line(err)}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("tv-ray check: interrupted", file=sys.stderr)
+        return INTERRUPTED
     except (TvRayError, OSError) as err:
         print(f"tv-ray check: {_one_line(err)}", file=sys.stderr)
         return 2
+    same = f", {report.same_method} only by the recorded one (--allow-same-method)" if report.same_method else ""
     print(f"tv-ray check: OK — {report.obligations} obligations, {report.unique} unique keys; re-proved "
-          f"{report.resolved} ({report.different_method} by a different method, {report.same_method} only by "
-          f"the recorded one; {json.dumps(report.methods)}) in {report.seconds:.2f}s")
+          f"{report.resolved} by a different method than recorded{same} ({json.dumps(report.methods)}) in "
+          f"{report.seconds:.2f}s")
     return 0
 
 
@@ -163,14 +213,34 @@ def cmd_explain(args: argparse.Namespace) -> int:
         print(explain(json.loads((out / "report.json").read_text())))
         return 0
     if (out / "certificate.json").exists():
-        m = json.loads((out / "certificate.json").read_text())
-        c = m["counts"]
-        print(f"tv-ray: PROVED — {m['plan']['model']} on {m['plan']['ranks']} ranks (mesh {m['plan']['mesh']}, "
-              f"{m['plan']['microbatches']} microbatches): {c['obligations']} obligations, {c['unique']} unique "
-              f"keys, by tier {m['tiers']}; reduced dims {m['reduction']['reduced']}; axioms {m['axioms']}")
+        print(explain_certificate(json.loads((out / "certificate.json").read_text()), out))
         return 0
     print(f"tv-ray explain: {out} has neither report.json nor certificate.json", file=sys.stderr)
     return 2
+
+
+def explain_certificate(m: dict, out: Path) -> str:
+    """A certificate's summary for a person: what was proved equal to what, on which mesh (in its axis order,
+    which rank numbers follow), with which recipe."""
+    from tv_ray.diagnose import describe_reference
+    from tv_ray.plan import Plan
+    c, p = m["counts"], m["plan"]
+    mesh = "×".join(f"{a}={n}" for a, n in Plan.load(out / p["path"]).mesh) if (out / p["path"]).exists() \
+        else json.dumps(p["mesh"])
+    lines = [f"tv-ray: PROVED — {p['model']} on {p['ranks']} ranks (mesh {mesh}, {p['microbatches']} "
+             f"microbatch{'es' if p['microbatches'] != 1 else ''}) equals {describe_reference(m.get('reference'))}",
+             f"  {c['obligations']} obligations, {c['unique']} unique keys, by tier {json.dumps(m['tiers'])}"]
+    recipe = (m.get("reference") or {}).get("recipe")
+    if recipe:
+        lines.append(f"  recipe: parallel {recipe.get('parallel') or '-'} (sp: sequence parallel, zero=N: ZeRO "
+                     f"stage), optimizer {recipe['optim']}, "
+                     + (f"clipping at global norm {recipe['clip']:g}" if recipe.get("clip") else "no clipping")
+                     + ("" if recipe.get("tied") is None else ", tied embeddings" if recipe["tied"]
+                        else ", untied embeddings"))
+    else:
+        lines.append("  recipe: not recorded in the plan (what was proved is the plan as written)")
+    lines.append(f"  reduced dims {json.dumps(m['reduction']['reduced'])}; axioms {m['axioms'] or 'none'}")
+    return "\n".join(lines)
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -178,11 +248,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     verify.add_argument("plan", nargs="?", help="a plan file (tv-ray-plan/1), or build one with --model below")
     add_model_flags(verify.add_argument_group("building the plan from a model (instead of a plan file)"),
-                    required=False, optim="adamw", clip=1.0)
+                    required=False)
     verify.add_argument("-o", "--output", metavar="OUT", help="directory for the certificate/report and checkpoint")
-    verify.add_argument("--solvers", default="z3,cvc5,yices", help="tier 2 portfolio (default z3,cvc5,yices)")
-    verify.add_argument("--timeout", type=float, default=10.0, metavar="S",
-                        help="per-equation solver timeout (default: %(default)s)")
+    verify.add_argument("--solvers", type=solver_list, default=("z3", "cvc5", "yices"), metavar="NAMES",
+                        help="tier 2 portfolio, comma-separated (default: z3,cvc5,yices)")
+    verify.add_argument("--timeout", type=seconds, default=10.0, metavar="S",
+                        help="per-equation solver timeout in seconds (default: %(default)s)")
     verify.add_argument("--engine", choices=ENGINES, default="ray",
                         help="ray: solver actors on Ray (default); local: this process or --jobs processes")
     verify.add_argument("--address", metavar="HOST:PORT", default=None,
@@ -203,8 +274,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     check = sub.add_parser("check", help="re-validate a certificate independently")
     check.add_argument("out", metavar="OUT", help="the directory `tv-ray verify -o` wrote")
     check.add_argument("--sample", type=int, default=None, metavar="N", help="re-solve N unique keys (default all)")
-    check.add_argument("--solvers", default="z3,yices", help="solvers for re-proving (default z3,yices)")
-    check.add_argument("--timeout", type=float, default=10.0, metavar="S")
+    check.add_argument("--solvers", type=solver_list, default=("z3", "yices"), metavar="NAMES",
+                       help="solvers for re-proving, comma-separated (default: z3,yices)")
+    check.add_argument("--timeout", type=seconds, default=10.0, metavar="S",
+                       help="per-equation solver timeout in seconds (default: %(default)s)")
+    check.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    check.add_argument("--allow-same-method", action="store_true",
+                       help="accept keys that only their recorded method re-proves (the check is then not "
+                            "independent for them; default: such a key fails the check)")
     check.set_defaults(func=cmd_check)
     explain = sub.add_parser("explain", help="print a verification report for a person")
     explain.add_argument("out", metavar="OUT")

@@ -104,14 +104,71 @@ def _suspect(outcome: Outcome, ob: Obligation) -> dict | None:
 
 
 PHASES = {"fwd": "forward", "bwd": "backward", "optim": "optimizer step"}
+COLLECTIVE_OPS = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"}
 
 
-def diagnose(outcome: Outcome) -> dict:
-    """The report of a run that is not proved: the first refuted stage with replayed values, or what stayed open."""
+def _unreduced_input(outcome: Outcome, ob: Obligation) -> dict | None:
+    """When the first refuted stage is not a collective and reads a proved partial sum (a group's claim over
+    some axes) that its own claim does not sum over: that input was never reduced — name it and its ranks
+    (the cause), not only the consumer."""
+    if ob.op in COLLECTIVE_OPS:
+        return None
+    by_id = {o.id: o for o in outcome.partition.obligations}
+    for src in ob.reads:
+        read = by_id.get(outcome.partition.representative(src))
+        if read is None or not read.claim.partial:
+            continue
+        axes = [a for a in read.claim.partial if a not in ob.claim.partial]
+        if axes:
+            what = "×".join(axes)
+            return {"stage": str(src), "tensor": src.tensor, "ranks": list(src.ranks), "axes": axes,
+                    "text": f"it reads {src.tensor} on ranks {', '.join(map(str, src.ranks))}, a partial sum over "
+                            f"{what} never reduced: the all-reduce / reduce-scatter over {what} before "
+                            f"{ob.tensor} is missing"}
+    return None
+
+
+def describe_reference(ref: dict | None) -> str:
+    """What the proofs are about, in words: a fresh capture of a built-in model, or the plan's own logical
+    graph named by its hash (`tv_ray.api.reference`)."""
+    if not ref:
+        return "the plan's own logical graph"
+    own = f"the plan's own logical graph (sha256 {ref['logical_sha256'][:12]})"
+    recipe = ref.get("recipe")
+    if recipe is None or not ref.get("capture"):
+        return own + (f", labelled {ref['model']!r}" if ref.get("model") else "")
+    flags = f"{recipe['optim']}, " + (f"clip {recipe['clip']:g}" if recipe.get("clip") else "no clipping") + \
+        ("" if recipe.get("tied") is None else ", tied" if recipe["tied"] else ", untied")
+    if ref["capture"] == "matches":
+        return f"a fresh capture of {ref['model']} ({flags})"
+    if ref["capture"] == "differs":
+        return f"{own}, which is NOT a fresh capture of {ref['model']} ({flags}): it was edited or captured otherwise"
+    return f"{own}; capturing {ref['model']} ({flags}) again {ref['capture']}"
+
+
+def public_names(outcome: Outcome) -> dict[str, str]:
+    """Logical tensor -> the name the model gives it: program outputs as `tv-ray run` names them
+    (``grad/lm_head.weight``, ``new/lm_head.weight``, ``loss``)."""
+    names: dict[str, str] = {}
+    for name, value in outcome.plan.logical.outputs:
+        names.setdefault(value, name)
+    return names
+
+
+def _named(claim_text: str, logical: str, names: dict[str, str]) -> str:
+    """A claim's text with the model's name of its logical tensor after it (when it has one)."""
+    return f"{claim_text} ({names[logical]})" if logical in names else claim_text
+
+
+def diagnose(outcome: Outcome, reference: dict | None = None) -> dict:
+    """The report of a run: the first refuted stage with replayed values, what stayed open, or what was proved
+    and equal to what (`reference`, see `describe_reference`). It repeats the outcome's status."""
     counts = outcome.counts()
     report: dict = {"format": "tv-ray-report/1", "status": outcome.status.value, "model": outcome.plan.model,
+                    "reference": reference, "reference_text": describe_reference(reference),
                     "counts": counts, "tiers": outcome.tiers(), "dims": outcome.reduction.reduced,
                     "problems": outcome.problems[:20]}
+    names = public_names(outcome)
     if outcome.failure:
         report["headline"] = f"missing or misrouted communication — {outcome.failure}"
         return report
@@ -121,12 +178,14 @@ def diagnose(outcome: Outcome) -> dict:
         report["headline"] = (f"not proved: {len(open_)} stage(s) open, {len(outcome.problems)} composition "
                               f"problem(s)" if open_ or outcome.problems else
                               f"all {counts['obligations']} obligations ({counts['unique']} unique) proved; loss, "
-                              f"every gradient and every updated parameter and state are covered")
+                              f"every gradient and every updated parameter and state equal those of "
+                              f"{report['reference_text']}")
         report["open"] = [{"stage": str(o.id), "module": o.module, "phase": o.phase, "tensor": o.tensor,
-                           "logical": o.claim.describe(), "reason": outcome.verdict_of(o).reason}
+                           "logical": _named(o.claim.describe(), o.claim.logical, names),
+                           "reason": outcome.verdict_of(o).reason}
                           for o in sorted(open_, key=lambda o: o.position)[:20]]
         return report
-    stage = _stage_report(outcome, ob)
+    stage = _stage_report(outcome, ob, names)
     report["stage"] = stage
     if outcome.status is not Status.REFUTED:
         report["headline"] = outcome.unconfirmed
@@ -134,20 +193,24 @@ def diagnose(outcome: Outcome) -> dict:
     where = f"{ob.module or 'model'} ({PHASES.get(ob.phase, ob.phase or 'step')})"
     mb = f", microbatch {ob.mb}" if ob.mb is not None else ""
     ranks = ", ".join(map(str, ob.ranks))
+    unreduced = _unreduced_input(outcome, ob)
+    if unreduced:
+        stage["unreduced_input"] = unreduced
+    why = stage.get("factor") or (unreduced or {}).get("text")
     report["headline"] = (f"first wrong tensor: {where}, logical op {ob.realises or ob.claim.logical}, "
                           f"rank{'s' if len(ob.ranks) > 1 else ''} {ranks}{mb}: {ob.program}.{ob.tensor} "
-                          f"should equal {ob.claim.describe()}" + (f" — {stage['factor']}" if stage.get("factor")
-                                                                    else ""))
-    report["outputs_wrong"] = outcome.deviations[:20]
+                          f"should equal {stage['logical']}" + (f" — {why}" if why else ""))
+    report["outputs_wrong"] = [{**d, "output": names.get(d["logical"], d["logical"])} for d in outcome.deviations[:20]]
     report["outputs_wrong_count"] = len(outcome.deviations)
     return report
 
 
-def _stage_report(outcome: Outcome, ob: Obligation) -> dict:
+def _stage_report(outcome: Outcome, ob: Obligation, names: dict[str, str]) -> dict:
     verdict = outcome.verdict_of(ob)
     out: dict = {"id": str(ob.id), "ranks": list(ob.ranks), "microbatch": ob.mb, "program": ob.program,
                  "tensor": ob.tensor, "op": ob.op, "module": ob.module, "phase": ob.phase,
-                 "realises": ob.realises, "logical": ob.claim.describe(), "claim": ob.claim.to_json(),
+                 "realises": ob.realises, "logical": _named(ob.claim.describe(), ob.claim.logical, names),
+                 "claim": ob.claim.to_json(),
                  "verdict": verdict.to_json(), "reads": list(map(str, ob.reads))}
     best = replay_stage(outcome.runs, ob)
     if best is not None:
@@ -174,6 +237,8 @@ def _stage_report(outcome: Outcome, ob: Obligation) -> dict:
 def explain(report: dict) -> str:
     """The report as text for a person (what `tv-ray explain OUT` prints)."""
     lines = [f"tv-ray: {report['status'].upper()} — {report.get('headline', '')}"]
+    if report.get("status") != "proved" and report.get("reference_text"):
+        lines.append(f"  reference: {report['reference_text']}")
     c = report.get("counts", {})
     lines.append(f"  obligations {c.get('obligations', 0)}, unique {c.get('unique', 0)}, proved "
                  f"{c.get('proved', 0)}, refuted {c.get('refuted', 0)}, unknown {c.get('unknown', 0)}")
@@ -182,8 +247,9 @@ def explain(report: dict) -> str:
         lines.append(f"  stage {stage['id']}: {stage['op']} in program {stage['program']} on rank(s) "
                      f"{stage['ranks']}" + (f", microbatch {stage['microbatch']}" if stage.get('microbatch')
                                             is not None else ""))
-        lines.append(f"    module {stage['module'] or '-'} ({PHASES.get(stage['phase'], stage['phase'] or '-')}), "
-                     f"realises {stage['realises'] or '-'}")
+        realises = f", realises logical op {stage['realises']}" if stage.get("realises") else ""
+        lines.append(f"    module {stage['module'] or 'model'} ({PHASES.get(stage['phase'], stage['phase'] or 'step')})"
+                     f"{realises}")
         lines.append(f"    physical {stage['tensor']} should equal {stage['logical']}")
         if "physical_values" in stage:
             lines.append(f"    replayed (run {stage['run']}): physical {stage['physical_values']}")
@@ -191,6 +257,8 @@ def explain(report: dict) -> str:
                          f"(max |diff| {stage['max_abs_dev']:.3g})")
         if stage.get("factor"):
             lines.append(f"    {stage['factor']}")
+        if stage.get("unreduced_input"):
+            lines.append(f"    {stage['unreduced_input']['text']}")
         for name, values in stage.get("input_values", {}).items():
             lines.append(f"    input {name}: {values}")
         if stage.get("suspect"):
@@ -198,7 +266,7 @@ def explain(report: dict) -> str:
             lines.append(f"    first op inside the stage: {s['op']} = {s['kind']} on rank {s['rank']} "
                          f"(realises {s['realises']}, {s['module'] or '-'} {s['phase']})")
     for d in report.get("outputs_wrong", [])[:5]:
-        lines.append(f"  output {d['logical']} on rank(s) {d['ranks']}: max |physical - logical| "
+        lines.append(f"  output {d.get('output', d['logical'])} on rank(s) {d['ranks']}: max |physical - logical| "
                      f"{d['max_abs_dev']:.3g}")
     if report.get("outputs_wrong_count", 0) > 5:
         lines.append(f"  … {report['outputs_wrong_count'] - 5} more wrong outputs")
@@ -209,4 +277,4 @@ def explain(report: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["diagnose", "explain"]
+__all__ = ["diagnose", "explain", "describe_reference", "public_names"]

@@ -156,6 +156,13 @@ class SolverBusy(TvRayError):
     FIELDS = ("solver",)
 
 
+class SettingsError(TvRayError):
+    """A verification setting that cannot be used (an unknown solver, a timeout that is not positive, a plan
+    path that names neither a file nor a built-in model); `setting` names it."""
+
+    FIELDS = ("setting",)
+
+
 class CheckpointError(TvRayError):
     """A checkpoint that cannot be resumed (another plan, other settings, unreadable); `path` is the file."""
 

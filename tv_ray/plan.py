@@ -54,8 +54,9 @@ from tv_ray.ir import Graph
 
 FORMAT = "tv-ray-plan/1"
 _FIELDS = ("format", "model", "dims", "mesh", "microbatches", "schedule", "logical", "programs", "ranks",
-           "lineage", "interior")
-_OPTIONAL = {"microbatches": 1, "schedule": "none", "interior": []}
+           "lineage", "interior", "recipe")
+_OPTIONAL = {"microbatches": 1, "schedule": "none", "interior": [], "recipe": None}
+RECIPE_FIELDS = ("optim", "clip", "tied", "parallel")
 
 
 @contextlib.contextmanager
@@ -204,6 +205,7 @@ class Plan:
     ranks: RankMap
     lineage: tuple[Lineage, ...]
     interior: tuple[Lineage, ...] = ()     # intermediate lineage: optional, proved like any claim, never assumed
+    recipe: dict | None = None             # how the logical graph was captured from the built-in `model`, if it was
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     # -- the mesh ----------------------------------------------------------------
@@ -371,7 +373,7 @@ class Plan:
                     "logical": self.logical.to_json(),
                     "programs": {name: graph.to_json() for name, graph in self.programs.items()},
                     "ranks": self.ranks.to_json(), "lineage": [e.to_json() for e in self.lineage],
-                    **self._interior_json()}
+                    **self._optional_json()}
 
     @staticmethod
     def from_json(obj: Any, check: bool = True) -> "Plan":
@@ -412,10 +414,11 @@ class Plan:
         return {"format": self.format, "model": self.model, "dims": dict(self.dims), "mesh": dict(self.mesh),
                 "microbatches": self.microbatches, "schedule": self.schedule, "logical": self.logical,
                 "programs": dict(self.programs), "ranks": self.ranks.to_json(),
-                "lineage": [e.to_json() for e in self.lineage], **self._interior_json()}
+                "lineage": [e.to_json() for e in self.lineage], **self._optional_json()}
 
-    def _interior_json(self) -> dict:
-        return {"interior": [e.to_json() for e in self.interior]} if self.interior else {}
+    def _optional_json(self) -> dict:
+        out = {"interior": [e.to_json() for e in self.interior]} if self.interior else {}
+        return out | ({"recipe": dict(self.recipe)} if self.recipe is not None else {})
 
 
 # -- parsing -------------------------------------------------------------------------------
@@ -454,7 +457,25 @@ def _parse(obj: Any) -> Plan:
         raise PlanError("interior: expected a list of lineage entries")
     interior = tuple(Lineage.from_json(e, f"interior[{i}]") for i, e in enumerate(raw_interior))
     return Plan(FORMAT, obj["model"], dims, tuple(mesh.items()), microbatches, schedule, logical, programs,
-                ranks, lineage, interior)
+                ranks, lineage, interior, _parse_recipe(obj.get("recipe", _OPTIONAL["recipe"])))
+
+
+def _parse_recipe(obj: Any) -> dict | None:
+    if obj is None:
+        return None
+    if not isinstance(obj, dict):
+        raise PlanError("recipe: expected an object with optim, clip, tied, parallel")
+    _no_unknown(obj, RECIPE_FIELDS, "recipe")
+    if not isinstance(obj.get("optim"), str):
+        raise PlanError(f"recipe.optim: expected an optimizer name (sgd, adamw), got {obj.get('optim')!r}")
+    clip = obj.get("clip")
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip <= 0):
+        raise PlanError(f"recipe.clip: expected a positive number or null, got {clip!r}")
+    if obj.get("tied") not in (None, True, False):
+        raise PlanError(f"recipe.tied: expected true, false or null, got {obj.get('tied')!r}")
+    if not isinstance(obj.get("parallel", ""), str):
+        raise PlanError(f"recipe.parallel: expected a parallel spec (text), got {obj['parallel']!r}")
+    return {"optim": obj["optim"], "clip": clip, "tied": obj.get("tied"), "parallel": obj.get("parallel", "")}
 
 
 def _positive_ints(obj: Any, path: str, what: str) -> dict[str, int]:

@@ -16,7 +16,8 @@
    again by a different method than the one recorded: keys closed by the
    normaliser go to the SMT solvers, keys closed by a solver go to the
    normaliser or another solver. A key that only its recorded method proves
-   is counted (`same_method`), never silently passed; one that nothing
+   fails the check (the check would not be independent for it) unless
+   `allow_same_method`, which counts it (`same_method`); one that nothing
    re-proves fails the check.
 
 The checker shares no code with the prover beyond `tv_ray.partition` (the
@@ -28,12 +29,14 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import pyarrow.parquet as pq
+from tqdm import tqdm
 
 from tv_ray.certificate.write import FORMAT, MANIFEST, TABLE, manifest_digest, sha256_file
 from tv_ray.errors import CertificateError, PlanError
@@ -125,7 +128,7 @@ def _methods(recorded: str, solvers: tuple[str, ...], timeout_s: float) -> list[
             ("smt", False, smt)]
 
 
-def _compare(part, table: Path) -> tuple[int, dict[str, str], dict]:
+def _compare(part, table: Path, advance: Callable[[int], object] = lambda n: None) -> tuple[int, dict[str, str], dict]:
     """The table row by row against the plan's stages, in the order it is written (recorded stages, then the
     mirrored ones), streamed: (rows, recorded method by key, first obligation by key). Raises naming the first
     row that is missing, extra, out of order, of another formula or inputs, or not proved."""
@@ -136,6 +139,7 @@ def _compare(part, table: Path) -> tuple[int, dict[str, str], dict]:
     ob = next(derived, None)
     columns = ["id", "key", "reads", "verdict", "method"]
     for batch in pq.ParquetFile(table).iter_batches(batch_size=1 << 16, columns=columns):
+        advance(batch.num_rows)
         for row in batch.to_pylist():
             rows += 1
             if ob is None:
@@ -165,9 +169,15 @@ def _compare(part, table: Path) -> tuple[int, dict[str, str], dict]:
 
 
 def check_certificate(out: str | Path, sample: int | None = None, solvers: tuple[str, ...] = ("z3", "yices"),
-                      timeout_s: float = 10.0, seed: int = 0) -> CheckReport:
-    """Re-validate the certificate under `out`; raises CertificateError naming what failed."""
+                      timeout_s: float = 10.0, seed: int = 0, allow_same_method: bool = False,
+                      progress: bool | None = None) -> CheckReport:
+    """Re-validate the certificate under `out`; raises CertificateError naming what failed.
+
+    A key that only its recorded method re-proves makes the check fail (it is then not independent for that
+    key) unless `allow_same_method`. `progress`: bars on stderr for the rows compared and the keys re-proved
+    (default: when stderr is a terminal)."""
     started = time.perf_counter()
+    show = sys.stderr.isatty() if progress is None else progress
     out = Path(out)
     manifest, plan_path = _load(out)
     try:
@@ -181,7 +191,9 @@ def check_certificate(out: str | Path, sample: int | None = None, solvers: tuple
     if reduction.reduced != manifest["reduction"]["reduced"]:
         raise CertificateError(f"reduced dims {reduction.reduced} differ from the certificate's "
                                f"{manifest['reduction']['reduced']}")
-    rows, by_key, first = _compare(part, out / TABLE)
+    with tqdm(total=part.size, disable=not show, unit="row", desc="comparing", file=sys.stderr,
+              dynamic_ncols=True) as bar:
+        rows, by_key, first = _compare(part, out / TABLE, bar.update)
     problems = composition_problems(plan, part, {o.id for o in part.obligations})
     if problems:
         raise CertificateError(f"composition does not hold: {problems[0]}")
@@ -190,12 +202,19 @@ def check_certificate(out: str | Path, sample: int | None = None, solvers: tuple
     chosen = sorted(by_key)
     if sample is not None and sample < len(chosen):
         chosen = sorted(random.Random(seed).sample(chosen, sample))
-    for key in chosen:
+    for key in tqdm(chosen, disable=not show, unit="key", desc="re-proving", file=sys.stderr, dynamic_ncols=True):
         lhs, rhs = part.formulas[key]
         why = []
         for name, different, method in _methods(by_key[key], solvers, timeout_s):
             failed = method(lhs, rhs)
             if not failed:
+                if not different and not allow_same_method:
+                    ob = first[key]
+                    raise CertificateError(
+                        f"key {key[:16]}… (obligation {ob.id}, {ob.claim.describe()}) was re-proved only by its "
+                        f"recorded method {by_key[key]} ({'; '.join(why)}): the check is not independent for it; "
+                        f"give other --solvers, a longer --timeout, or accept it with --allow-same-method",
+                        obligation=str(ob.id))
                 report.resolved += 1
                 report.methods[name] = report.methods.get(name, 0) + 1
                 if different:
@@ -207,7 +226,8 @@ def check_certificate(out: str | Path, sample: int | None = None, solvers: tuple
         else:
             ob = first[key]
             raise CertificateError(f"key {key[:16]}… (obligation {ob.id}, {ob.claim.describe()}) was recorded as "
-                                   f"{by_key[key]} but the checker could not prove it again: {'; '.join(why)}")
+                                   f"{by_key[key]} but the checker could not prove it again: {'; '.join(why)}",
+                                   obligation=str(ob.id))
     report.seconds = time.perf_counter() - started
     return report
 

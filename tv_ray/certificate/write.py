@@ -3,7 +3,8 @@
 Files under OUT:
 
 - ``certificate.json`` — format, tool and solver versions, the plan file and
-  its SHA-256, the logical graph's SHA-256, the shape reduction with its side
+  its SHA-256, the logical graph's SHA-256 and what it is (the reference: a
+  fresh capture of a built-in model, or the plan's own graph), the shape reduction with its side
   conditions, the axioms used, the cut points by source (boundary lineage,
   stated intermediate lineage, inferred by value), the claims dropped as
   wrong guesses (the checker drops them too), counts by verdict and by tier, the stage DAG
@@ -13,14 +14,16 @@ Files under OUT:
   tensor it proves), slot (ranks, microbatch), key, tier, method, verdict,
   seconds (on the first row of each key), the claims it read (the DAG's
   edges), program and tensor;
-- ``plan.json`` when the plan was built in the run (a plan read from a file is
-  named by its path and hash).
+- ``plan.json`` — the plan's bytes (a copy of the plan file, or the plan built
+  in the run), named by this relative path and its hash: the directory checks
+  wherever it is moved.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import platform
+import shutil
 import sys
 from collections import Counter, deque
 from dataclasses import replace
@@ -47,6 +50,11 @@ def canonical(obj) -> bytes:
 def manifest_digest(manifest: dict) -> str:
     """SHA-256 of the manifest without its own digest field."""
     return hashlib.sha256(canonical({k: v for k, v in manifest.items() if k != "manifest_sha256"})).hexdigest()
+
+
+def logical_digest(graph) -> str:
+    """SHA-256 of a logical graph's canonical JSON: the reference a certificate's proofs are about."""
+    return hashlib.sha256(canonical(graph.to_json())).hexdigest()
 
 
 def sha256_file(path: Path) -> str:
@@ -137,17 +145,22 @@ def _copied_batches(part, verdicts: dict, ranges: list[tuple[int, int]]) -> Iter
         yield ray.get(flying.popleft())
 
 
-def write_certificate(outcome: Outcome, out: str | Path, plan_path: str | Path | None, settings: dict) -> dict:
-    """Write the certificate of a proved outcome under `out`; returns the manifest."""
+def write_certificate(outcome: Outcome, out: str | Path, plan_path: str | Path | None, settings: dict,
+                      reference: dict | None = None) -> dict:
+    """Write the certificate of a proved outcome under `out`; returns the manifest.
+
+    The plan's bytes go inside `out` (OUT/plan.json: a copy of the file `plan_path`, or the plan written
+    out), named by that relative path and its hash, so the directory can be moved or handed on
+    and still checks. `reference`: what the proofs are about (`tv_ray.api.reference`)."""
     if outcome.status is not Status.PROVED:
         raise ValueError(f"only a proved run has a certificate (this one is {outcome.status})")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    inside = out / PLAN
     if plan_path is None:
-        plan_path = out / PLAN
-        outcome.plan.save(plan_path)
-    plan_path = Path(plan_path).resolve()
-    named = str(plan_path.relative_to(out.resolve())) if plan_path.is_relative_to(out.resolve()) else str(plan_path)
+        outcome.plan.save(inside)
+    elif not (inside.exists() and inside.samefile(plan_path)):
+        shutil.copyfile(plan_path, inside)     # a copy, not a link: rewriting the source must not change it
     write_obligations(outcome, out / TABLE)
     part = outcome.partition
     axioms = sorted({a for v in outcome.verdicts.values() for a in v.axioms})
@@ -155,10 +168,11 @@ def write_certificate(outcome: Outcome, out: str | Path, plan_path: str | Path |
         "format": FORMAT,
         "tool": versions(),
         "command": " ".join(sys.argv),
-        "plan": {"path": named, "sha256": sha256_file(plan_path), "model": outcome.plan.model,
+        "plan": {"path": PLAN, "sha256": sha256_file(inside), "model": outcome.plan.model,
                  "mesh": dict(outcome.plan.mesh), "microbatches": outcome.plan.microbatches,
                  "ranks": outcome.plan.num_ranks, "programs": sorted(outcome.plan.programs)},
-        "logical_sha256": hashlib.sha256(canonical(outcome.plan.logical.to_json())).hexdigest(),
+        "logical_sha256": logical_digest(outcome.plan.logical),
+        "reference": reference,
         "reduction": outcome.reduction.to_json(),
         "axioms": axioms,
         "claims": dict(Counter("boundary" if c.boundary else "stated" if c.given else "inferred"
@@ -177,10 +191,12 @@ def write_certificate(outcome: Outcome, out: str | Path, plan_path: str | Path |
         "phases_s": {k: round(v, 3) for k, v in outcome.phases.items()},
         "executor": outcome.executor,
     }
+    if plan_path is not None:
+        manifest["plan"]["source"] = str(Path(plan_path).resolve())     # where it was read from (not checked)
     manifest["manifest_sha256"] = manifest_digest(manifest)
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     return manifest
 
 
-__all__ = ["write_certificate", "write_obligations", "manifest_digest", "sha256_file", "versions", "FORMAT",
+__all__ = ["write_certificate", "logical_digest", "write_obligations", "manifest_digest", "sha256_file", "versions", "FORMAT",
            "MANIFEST", "TABLE", "PLAN"]

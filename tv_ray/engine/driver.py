@@ -104,6 +104,8 @@ def verify_plan(plan: Plan, *, budget: Budget = Budget(), executor: Executor | N
         t = time.perf_counter()
         part = derivation.cut(progress=show, **generation)
         phases["partition"] += time.perf_counter() - t
+        for key, why in part.unformed.items():     # a stage too large to form: unknown, never solved
+            verdicts[key] = Verdict(Status.UNKNOWN, 0, "unformed", reason=why)
         t = time.perf_counter()
         try:
             _solve(part, budget, executor, verdicts, show, checkpoint)

@@ -10,12 +10,15 @@ counterexample; otherwise `unknown` with the reason — never a guess.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Sequence
 
 from tv_ray.certificate.outcome import Status, Verdict
+from tv_ray.errors import SettingsError
 from tv_ray.smt import prove_with_record
+from tv_ray.smt.solvers import BACKENDS
 from tv_ray.terms import Refuted, Term, refute
 from tv_ray.terms.normal import NormaliseError, Normaliser, ground_lemmas
 from tv_ray.terms.onehot import consistent
@@ -24,13 +27,24 @@ from tv_ray.terms.onehot import consistent
 
 @dataclass(frozen=True)
 class Budget:
-    """Which tiers may run and how long a solver may take per equation."""
+    """Which tiers may run and how long a solver may take per equation. Raises SettingsError for a solver
+    that does not exist or a timeout that is not a positive number of seconds."""
 
     solvers: tuple[str, ...] = ("z3", "cvc5", "yices")
     timeout_s: float = 10.0
     tiers: tuple[int, ...] = (0, 1, 2)
     points: int = 4
     seed: int = 0
+
+    def __post_init__(self):
+        unknown = [s for s in self.solvers if s not in BACKENDS]
+        if unknown or not self.solvers:
+            raise SettingsError(f"solvers {','.join(self.solvers) or '(none)'}: "
+                                f"{'unknown ' + ', '.join(map(repr, unknown)) if unknown else 'none given'}; "
+                                f"choose from {','.join(BACKENDS)}", setting="solvers")
+        if not (isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise SettingsError(f"timeout {self.timeout_s!r}: a solver timeout must be a positive number of "
+                                f"seconds", setting="timeout")
 
 
 def _refuted(i: int, r: Refuted, tier: int, method: str, started: float) -> Verdict:

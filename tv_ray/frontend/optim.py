@@ -152,8 +152,12 @@ def append_optimizer(graph: Graph, optimizer: SGD | AdamW, clip: float | None = 
     return app.build()
 
 
+RECIPE = {"optim": "sgd", "clip": None}     # the training recipe when none is given: the API's and the commands'
+
+
 def capture_step(model: ModelSpec | torch.nn.Module, inputs: Sequence[torch.Tensor] | None = None, *,
-                 optim: str | SGD | AdamW = "sgd", clip: float | None = None, tied: bool | None = None,
+                 optim: str | SGD | AdamW = RECIPE["optim"], clip: float | None = RECIPE["clip"],
+                 tied: bool | None = None,
                  extrapolate: bool = True, int_highs: Mapping[str, int] | None = None, **hyper) -> Graph:
     """The full training step: forward, loss, backward and the optimizer update.
 

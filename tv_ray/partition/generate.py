@@ -63,6 +63,7 @@ class ShardRun:
     accumulated: int
     sent: dict[tuple, tuple]
     assumed: dict[tuple, tuple]
+    unformed: dict[str, str]
 
     def __getstate__(self) -> dict:
         sides = [(len(lhs), len(rhs)) for lhs, rhs in self.formulas.values()]
@@ -111,7 +112,8 @@ def run_shards(plan: Plan, dims: dict[str, int], claims: dict[tuple[int, str], C
         run.run()
         ranks, reps = run.resolve_copies()
         out.append(ShardRun(run.obligations, run.formulas, ranks, reps, run.boundary,
-                            run.notes + _incomplete(run.pending), run.moved, run.accumulated, run.sent, run.assumed))
+                            run.notes + _incomplete(run.pending), run.moved, run.accumulated, run.sent, run.assumed,
+                            run.unformed))
     return out
 
 
@@ -146,7 +148,8 @@ def merge(runs: list[ShardRun], mirrors: Mirrors | None = None, symmetry: list[s
               np.concatenate([where[s][run.copy_of] for s, run in enumerate(runs)]).astype(np.int32))
     part = _assemble(obligations, {cid: c for run in runs for cid, c in run.boundary.items()},
                      [note for run in runs for note in run.notes], formulas, symmetry or [], copies, mirrors,
-                     sum(r.moved for r in runs), sum(r.accumulated for r in runs))
+                     sum(r.moved for r in runs), sum(r.accumulated for r in runs),
+                     {k: why for run in runs for k, why in run.unformed.items()})
     part.shards = len(runs)
     return part
 
@@ -203,7 +206,7 @@ def _run(plan, dims, claims, found, moves, blocks, logical, notes, split, bar, g
     copies = run.resolve_copies()
     run.notes += _incomplete(run.pending)
     return _assemble(run.obligations, run.boundary, run.notes, run.formulas, symmetry, copies, found, run.moved,
-                     run.accumulated)
+                     run.accumulated, run.unformed)
 
 
 def _sharded(plan, dims, claims, found, moves, blocks, logical, split, bar, generate, groups, symmetry) -> Partition:
@@ -224,9 +227,10 @@ def _incomplete(pending: dict) -> list[str]:
     return [f"{cid}: partial claim produced on ranks {sorted(parts)} only" for cid, parts in pending.items()]
 
 
-def _assemble(obligations, boundary, run_notes, formulas, symmetry, copies, found, moved, accumulated) -> Partition:
+def _assemble(obligations, boundary, run_notes, formulas, symmetry, copies, found, moved, accumulated,
+              unformed) -> Partition:
     return Partition(obligations, boundary, stage_dag(boundary, obligations), run_notes, formulas, symmetry,
-                     copies[0], copies[1], found, moved, accumulated)
+                     unformed, copies[0], copies[1], found, moved, accumulated)
 
 
 __all__ = ["partition", "pipeline_shards", "run_shards", "merge", "ops_of", "ShardRun", "SHARD_MIN"]

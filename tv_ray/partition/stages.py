@@ -58,6 +58,9 @@ BAR_STEP = 4096              # ops stepped between progress bar updates
 REPLAY_DEPTH = 4             # ops a pipeline shard re-runs to rebuild a value another shard sends uncut
 EXPAND_ROUNDS = 24
 EXPAND_GROWTH, EXPAND_SLACK = 3, 1000      # stop unfolding past 3x the formula's size + 1000 nodes
+# a stage formula larger than this is not formed (keying, unfolding and solving it would take minutes): its
+# stage is unknown, with the reason. The largest stage of the CI grid plans has ~5,000 nodes.
+MAX_STAGE_NODES = 250_000
 
 
 @dataclass(slots=True)
@@ -94,6 +97,7 @@ class Partition:
     notes: list[str]
     formulas: dict[str, tuple[list[Term], list[Term]]] = field(default_factory=dict)
     symmetry: list[str] = field(default_factory=list)     # why ranks were not mirrored, if any
+    unformed: dict[str, str] = field(default_factory=dict)   # key -> why the stage's formula was not formed
     copy_ranks: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     copy_of: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))   # its stage's index
     mirrors: "Mirrors | None" = None
@@ -252,6 +256,7 @@ class SymbolicRun(Scheduler):
         self.obligations: list[Obligation] = []
         self.copied = array("i"), array("i")        # (rank, op position) of each mirrored stage, in order
         self.formulas: dict[str, tuple[list[Term], list[Term]]] = {}
+        self.unformed: dict[str, str] = {}
         self.notes: list[str] = []
         self.opaque: dict[tuple[int, str], str] = {}
         self._group_sources: frozenset[str] = frozenset()
@@ -811,6 +816,15 @@ class SymbolicRun(Scheduler):
             rhs = [defined[idx] for idx in np.ndindex(claim.shape)]
         else:
             rhs = [rhs[idx] for idx in np.ndindex(claim.shape)]
+        nodes = _size(lhs + rhs)
+        if nodes > MAX_STAGE_NODES:
+            why = (f"stage {cid} on {self.plan.describe(members[0])}: its formula has {nodes:,} nodes (more than "
+                   f"{MAX_STAGE_NODES:,}): the ops since the last cut are too many to prove at once — no claim "
+                   f"cuts them (a value no lineage can state, such as a scaled partial sum, runs through)")
+            key = "unformed:" + hashlib.sha256(str(cid).encode()).hexdigest()
+            self.unformed[key] = why
+            self._append(cid, members, state, node, claim, key, reads)
+            return
         lhs, rhs = expand(lhs, rhs, self.logical)
         key = formula_key(lhs, rhs, self.logical.order)
         self.formulas.setdefault(key, (lhs, rhs))

@@ -1,0 +1,109 @@
+"""A certificate a person can trust and hand on: it checks wherever it is moved, its headline says what was proved
+equal to what, and a check that re-proved nothing independently does not pass."""
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+
+import pytest
+
+from tv_ray import api
+from tv_ray.certificate import check_certificate
+from tv_ray.cli import main
+from tv_ray.errors import CertificateError
+from tv_ray.ir import Graph, Node
+
+
+@pytest.fixture(scope="module")
+def plan():
+    """llama3-tiny pp=2 × dp=2 (SGD), built as `tv-ray plan` builds it: its recipe recorded."""
+    return api.parallelize(api.capture_step("llama3-tiny"), "dp=2,pp=2", model="llama3-tiny",
+                           recipe={"optim": "sgd", "clip": None})
+
+
+@pytest.fixture(scope="module")
+def certified(plan, tmp_path_factory):
+    """(certificate directory, the plan file it was verified from)."""
+    root = tmp_path_factory.mktemp("portable")
+    (root / "plans").mkdir()
+    plan.save(root / "plans" / "mine.json")
+    result = api.verify(str(root / "plans" / "mine.json"), engine="local", progress=False)
+    assert result.proved, result.report["headline"]
+    result.save(root / "out")
+    return root / "out", root / "plans" / "mine.json"
+
+
+def _lr_times_ten(graph: Graph) -> Graph:
+    """The SGD step's learning rate ×10 (every `lr * grad` product)."""
+    nodes = tuple(Node.make(n.name, n.op.value, list(n.args), {**dict(n.attrs), "other": n.attr["other"] * 10},
+                            n.shape, n.dtype, dict(n.meta)) if n.name.endswith(".lr_grad") else n
+                  for n in graph.nodes)
+    assert sum(a is not b for a, b in zip(nodes, graph.nodes)) > 3
+    return Graph(graph.inputs, nodes, graph.outputs, graph.name)
+
+
+def test_a_certificate_moved_elsewhere_checks_there(certified, tmp_path):
+    out, source = certified
+    manifest = json.loads((out / "certificate.json").read_text())
+    assert manifest["plan"]["path"] == "plan.json" and manifest["plan"]["source"] == str(source.resolve())
+    assert (out / "plan.json").read_bytes() == source.read_bytes()
+    moved = tmp_path / "elsewhere" / "cert"
+    shutil.copytree(out, moved)
+    shutil.copytree(source.parent, tmp_path / "plans-backup")
+    shutil.rmtree(source.parent)            # the plan file it was verified from is gone
+    try:
+        report = check_certificate(moved, sample=5)
+        assert report.obligations == manifest["counts"]["obligations"] and report.different_method == 5
+    finally:
+        shutil.copytree(tmp_path / "plans-backup", source.parent)
+
+
+def test_the_headline_names_a_fresh_capture_of_the_model_as_the_reference(certified, capsys):
+    out, _ = certified
+    manifest = json.loads((out / "certificate.json").read_text())
+    assert manifest["reference"]["capture"] == "matches"
+    assert main(["explain", str(out)]) == 0
+    text = capsys.readouterr().out.splitlines()
+    assert text[0] == ("tv-ray: PROVED — llama3-tiny on 4 ranks (mesh pp=2×dp=2, 1 microbatch) equals a fresh "
+                       "capture of llama3-tiny (sgd, no clipping)")
+    assert text[2] == ("  recipe: parallel dp=2,pp=2 (sp: sequence parallel, zero=N: ZeRO stage), optimizer sgd, "
+                       "no clipping")
+
+
+def test_an_edited_logical_graph_is_proved_against_itself_and_the_headline_says_so(plan):
+    edited = replace(plan, logical=_lr_times_ten(plan.logical),
+                     programs={name: _lr_times_ten(p) for name, p in plan.programs.items()})
+    result = api.verify(edited, engine="local", progress=False)
+    assert result.proved      # the programs do what the edited logical graph does
+    digest = result.reference["logical_sha256"]
+    assert result.reference["capture"] == "differs"
+    assert result.report["headline"].endswith(
+        f"equal those of the plan's own logical graph (sha256 {digest[:12]}), which is NOT a fresh capture of "
+        f"llama3-tiny (sgd, no clipping): it was edited or captured otherwise")
+    assert str(result).startswith("<tv_ray.Result proved: all ") and len(str(result)) < 600
+
+
+def test_a_plan_without_a_recipe_is_proved_against_its_own_logical_graph(plan):
+    result = api.verify(replace(plan, recipe=None), engine="local", progress=False)
+    assert result.proved and result.reference["capture"] is None
+    assert result.report["headline"].endswith(
+        f"equal those of the plan's own logical graph (sha256 {result.reference['logical_sha256'][:12]}), "
+        f"labelled 'llama3-tiny'")
+
+
+def test_a_check_that_re_proves_only_by_the_recorded_method_fails_unless_allowed(certified, monkeypatch, capsys):
+    import tv_ray.certificate.check as check
+    out, _ = certified
+    monkeypatch.setattr(check, "_by_smt", lambda lhs, rhs, solvers, timeout_s: "no SMT solver here")
+    with pytest.raises(CertificateError, match=r"was re-proved only by its recorded method normalised \(smt: no SMT "
+                                               r"solver here\): the check is not independent for it; give other "
+                                               r"--solvers, a longer --timeout, or accept it with "
+                                               r"--allow-same-method$"):
+        check_certificate(out, sample=3)
+    assert main(["check", str(out), "--sample", "3", "-q"]) == 1
+    assert "FAILED" in capsys.readouterr().err
+    report = check_certificate(out, sample=3, allow_same_method=True)
+    assert (report.same_method, report.different_method) == (3, 0)
+    assert main(["check", str(out), "--sample", "3", "-q", "--allow-same-method"]) == 0
+    assert "3 only by the recorded one (--allow-same-method)" in capsys.readouterr().out

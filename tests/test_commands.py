@@ -1,0 +1,154 @@
+"""The `tv-ray` command at the terminal: exit codes, messages instead of tracebacks, settings checked up front, one
+set of defaults, Ctrl-C."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tv_ray.api import verify
+from tv_ray.cli import build_parser, main
+from tv_ray.errors import SettingsError
+
+BIN = Path(sys.executable).parent
+ENV = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def _run(*argv: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "tv-ray"), *argv], capture_output=True, text=True, env=ENV, timeout=300, **kw)
+
+
+def test_unknown_solvers_and_bad_timeouts_are_refused_before_anything_runs(tmp_path, capsys):
+    for argv, message in ((["--solvers", "z3,nosuch"], "argument --solvers: unknown solver 'nosuch'; choose from "
+                                                        "z3,cvc5,yices"),
+                          (["--timeout", "-1"], "argument --timeout: -1: a timeout must be a positive number of "
+                                                "seconds"),
+                          (["--timeout", "soon"], "argument --timeout: 'soon' is not a number of seconds")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["verify", "--model", "llama3-tiny", "--parallel", "dp=2", "-o", str(tmp_path / "o"), *argv])
+        assert exit_.value.code == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(SettingsError, match=r"^solvers z3,nosuch: unknown 'nosuch'; choose from z3,cvc5,yices$"):
+        verify("llama3-tiny", "dp=2", solvers=("z3", "nosuch"), engine="local")
+    with pytest.raises(SettingsError, match=r"^timeout 0: a solver timeout must be a positive number of seconds$"):
+        verify("llama3-tiny", "dp=2", timeout=0, engine="local")
+
+
+def test_a_plan_path_is_a_plan_whatever_its_name_and_a_bad_name_says_so(tiny_dp2_plan, tmp_path, capsys):
+    odd = tmp_path / "plan.v2"
+    tiny_dp2_plan.save(odd)
+    assert main(["verify", str(odd), "-o", str(tmp_path / "out"), "-q", "--engine", "local"]) == 0
+    assert main(["verify", str(tmp_path / "nosuch.plan"), "-o", str(tmp_path / "o2"), "--engine", "local"]) == 2
+    assert capsys.readouterr().err.startswith(f"tv-ray verify: {tmp_path / 'nosuch.plan'}: no such plan file, and "
+                                              f"not a built-in model (llama3-tiny, ")
+
+
+def test_plan_and_verify_share_one_set_of_defaults_and_show_them():
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices
+    flags = {name: {o: a for a in sub[name]._actions for o in a.option_strings} for name in ("plan", "verify")}
+    for option in ("--model", "--parallel", "--sp", "--zero", "--tied", "--untied", "--optim", "--clip", "--dims"):
+        assert (flags["plan"][option].help, flags["plan"][option].default) == \
+            (flags["verify"][option].help, flags["verify"][option].default), option
+    assert (flags["verify"]["--optim"].default, flags["verify"]["--clip"].default) == ("sgd", None)
+    for name in ("plan", "verify"):
+        text = " ".join(sub[name].format_help().split())
+        assert "(default: sgd)" in text and "(default: no clipping)" in text and "(default: 0)" in text
+    verify_help = " ".join(sub["verify"].format_help().split())
+    assert "(default: z3,cvc5,yices)" in verify_help and "(default: 10.0)" in verify_help
+
+
+def test_plan_output_onto_a_directory_or_under_a_file_is_a_message(tmp_path):
+    done = _run("plan", "--model", "llama3-tiny", "--parallel", "dp=2", "-o", str(tmp_path))
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (f"tv-ray plan: -o {tmp_path} is a directory; give the plan file's path, e.g. "
+                           f"{tmp_path / 'plan.json'}\n")
+    (tmp_path / "file").write_text("")
+    done = _run("plan", "--model", "llama3-tiny", "--parallel", "dp=2", "-o", str(tmp_path / "file" / "plan.json"))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.startswith(f"tv-ray plan: cannot write {tmp_path / 'file' / 'plan.json'}: ")
+    done = _run("plan", "--model", "llama3-tiny", "--parallel", "dp=2", "-o", str(tmp_path / "new" / "dir" / "p.json"))
+    assert done.returncode == 0 and (tmp_path / "new" / "dir" / "p.json").exists()
+
+
+def test_explain_into_a_closed_pipe_ends_quietly(tmp_path):
+    report = tmp_path / "report.json"
+    report.write_text('{"status": "refuted", "headline": "h", "counts": {}, "problems": ' +
+                      str([f"problem {i}" for i in range(5)]).replace("'", '"') + "}")
+    done = subprocess.run(f"'{BIN / 'tv-ray'}' explain '{tmp_path}' | head -1", shell=True, capture_output=True,
+                          text=True, env=ENV, timeout=60)
+    assert done.stdout == "tv-ray: REFUTED — h\n"
+    assert done.stderr == ""
+
+
+def test_ctrl_c_ends_with_130_and_the_resume_command_not_a_traceback(tmp_path):
+    out = tmp_path / "out"
+    run = subprocess.Popen([str(BIN / "tv-ray"), "verify", "--model", "llama3-tiny", "--parallel", "dp=2,tp=2,pp=2",
+                            "-o", str(out), "--engine", "local"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, env=ENV)
+    deadline = time.monotonic() + 120
+    while not (out / "checkpoint" / "run.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)                 # into the derivation
+    run.send_signal(signal.SIGINT)
+    _, err = run.communicate(timeout=60)
+    assert run.returncode == 130, err
+    assert "Traceback" not in err
+    assert err.endswith(f"tv-ray verify: interrupted\ntv-ray verify: the verdicts so far are in {out}/checkpoint; "
+                        f"continue with `tv-ray verify --resume {out}`\n")
+
+
+def _descendants(pid: int) -> list[list[str]]:
+    """The command lines of every process below `pid`."""
+    parent: dict[int, int] = {}
+    argv: dict[int, list[str]] = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit():
+                parent[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                argv[int(entry.name)] = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except (OSError, IndexError, ValueError):
+            pass
+    def below(p: int) -> bool:
+        while p in parent and p > 1:
+            p = parent[p]
+            if p == pid:
+                return True
+        return False
+    return [argv[p] for p in parent if below(p) and p in argv]
+
+
+def _session_processes(session: str) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and session.encode() in (entry / "cmdline").read_bytes():
+                out.append(int(entry.name))
+        except OSError:
+            pass
+    return out
+
+
+def test_ctrl_c_while_ray_starts_leaves_no_ray_process_behind(tmp_path):
+    run = subprocess.Popen([str(BIN / "tv-ray"), "verify", "--model", "llama3-tiny", "--parallel", "dp=2", "-o",
+                            str(tmp_path / "out")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    session, deadline = None, time.monotonic() + 120
+    while session is None and time.monotonic() < deadline:       # the local Ray's raylet is up: Ray is starting
+        for argv in _descendants(run.pid):
+            session = next((a.split("=", 1)[1] for a in argv if a.startswith("--session_dir=")), None)
+            if session:
+                break
+        time.sleep(0.1)
+    assert session, "no local Ray started"
+    run.send_signal(signal.SIGINT)
+    _, err = run.communicate(timeout=60)
+    assert run.returncode == 130 and "Traceback" not in err, err
+    deadline = time.monotonic() + 20
+    while _session_processes(session) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _session_processes(session) == []
