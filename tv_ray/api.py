@@ -164,7 +164,7 @@ def verify(model_or_plan=None, parallel: str | None = None, *, optim: str = RECI
            sp: bool = False, zero: int = 0, dims: Mapping[str, int] | None = None, tied: bool | None = None,
            solvers=("z3", "cvc5", "yices"), timeout: float = 10.0,
            jobs: int | None = None, progress: bool | None = None, seed: int = 0, executor=None,
-           symmetry: bool = True, engine: str = "ray", address: str | None = None,
+           symmetry: bool = True, templates: bool = True, engine: str = "ray", address: str | None = None,
            checkpoint: str | Path | None = None, resume: bool = False, shards: bool | None = None) -> Result:
     """Prove that a plan computes the single-device training step, or find where it does not.
 
@@ -181,13 +181,15 @@ def verify(model_or_plan=None, parallel: str | None = None, *, optim: str = RECI
     With `checkpoint=OUT` every verdict streams to OUT/checkpoint; `resume=True` continues the run
     recorded there (its plan and settings), solving only the keys it lacks. `shards`: generate the stages
     one pipeline stage per shard, in parallel (True), in one run (False), or by the plan's size (None).
+    `templates=False` builds every stage's formula (no stage keyed by its template: docs/templates.md).
     """
     from tv_ray.diagnose import diagnose
     from tv_ray.engine.checkpoint import Checkpoint
     from tv_ray.engine.driver import verify_plan
     from tv_ray.engine.executor import executor_for
     from tv_ray.engine.solve import Budget
-    settings = {"solvers": list(solvers), "timeout_s": timeout, "seed": seed, "symmetry": symmetry, "shards": shards}
+    settings = {"solvers": list(solvers), "timeout_s": timeout, "seed": seed, "symmetry": symmetry, "shards": shards,
+                "templates": templates}
     saved = Checkpoint(checkpoint) if checkpoint is not None else None
     plan_path, captured = None, None
     if resume:
@@ -226,7 +228,8 @@ def verify(model_or_plan=None, parallel: str | None = None, *, optim: str = RECI
         if hasattr(executor, "connect"):
             executor.connect()
         outcome = verify_plan(plan, budget=budget, executor=executor, progress=progress, seed=settings["seed"],
-                              symmetry=settings["symmetry"], checkpoint=saved, shards=settings.get("shards"))
+                              symmetry=settings["symmetry"], templates=settings.get("templates", True),
+                              checkpoint=saved, shards=settings.get("shards"))
     finally:
         executor.close()
     try:

@@ -140,7 +140,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
                         zero=args.zero, dims=parse_dims(args.dims) or None, tied=args.tied,
                         solvers=args.solvers, timeout=args.timeout,
                         jobs=args.jobs, progress=False if args.quiet else None, seed=args.seed,
-                        symmetry=not args.no_symmetry, engine=args.engine, address=args.address,
+                        symmetry=not args.no_symmetry, templates=not args.no_templates, engine=args.engine,
+                        address=args.address,
                         checkpoint=args.output, resume=args.resume is not None,
                         shards={"auto": None, "on": True, "off": False}[args.shards])
         written = result.save(args.output)
@@ -264,6 +265,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         help="continue the run whose checkpoint is in OUT (solves only what is missing)")
     verify.add_argument("--no-symmetry", action="store_true",
                         help="run every dp rank in full instead of mirroring the ones the symmetry check allows")
+    verify.add_argument("--no-templates", action="store_true",
+                        help="build every stage's formula instead of keying repeated stages by their template "
+                             "(docs/templates.md)")
     verify.add_argument("--shards", choices=("auto", "on", "off"), default="auto",
                         help="generate the stages one pipeline stage per shard, in parallel (auto: for plans of "
                              "a million ops or more)")

@@ -74,7 +74,7 @@ def test_a_solver_that_hangs_is_killed_and_its_key_is_unknown_never_proved(local
 def test_solver_actors_are_recycled_after_their_task_limit(local_ray, reference, tmp_path):
     log = tmp_path / "calls"
     tasks = [SolveTask.make(key, lhs, rhs) for key, (lhs, rhs) in reference.partition.formulas.items()]
-    executor = RayExecutor(actors=1, batch=16, recycle_tasks=64, solve=faults.logs_pids(str(log)))
+    executor = RayExecutor(actors=1, batch=16, recycle_tasks=32, solve=faults.logs_pids(str(log)))
     verdicts = dict(executor.run(_batches(tasks, 64), BUDGET))
     executor.close()
     pids = [line.split()[0] for line in log.read_text().splitlines()]

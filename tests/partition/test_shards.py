@@ -11,7 +11,7 @@ from tv_ray import api
 from tv_ray.engine.driver import verify_plan
 from tv_ray.partition.derive import claims_for
 from tv_ray.engine.executor import LocalExecutor
-from tv_ray.partition.generate import merge, partition, pipeline_shards, run_shards
+from tv_ray.partition.generate import Renamings, merge, partition, pipeline_shards, run_shards
 from tv_ray.errors import Unshardable
 from tv_ray.partition.symmetry import find_mirrors, microbatch_moves
 from tv_ray.reduce import reduce_plan
@@ -65,7 +65,7 @@ def test_a_sent_value_unlike_what_its_receiver_rebuilt_is_refused(pipelined):
     plan, dims, claims = pipelined
     found, _ = find_mirrors(plan, dims, True)
     moves = microbatch_moves(plan, dims, found, True)
-    runs = run_shards(plan, dims, claims, found, moves, moves.blocks, pipeline_shards(plan, claims))
+    runs = run_shards(plan, dims, claims, Renamings(found, moves, moves.blocks), pipeline_shards(plan, claims))
     where = min(runs[0].sent)
     assert where == (0, 4, 16, 0) and runs[0].sent[where] == runs[1].assumed[where]
     runs[0].sent[where] = ("terms", ((1,), "0" * 64), ())

@@ -184,8 +184,9 @@ def check_certificate(out: str | Path, sample: int | None = None, solvers: tuple
         plan = Plan.load(plan_path)
     except PlanError as e:
         raise CertificateError(f"{plan_path}: {e}") from None
-    settings = Settings(manifest["settings"].get("seed", 0), manifest["settings"].get("symmetry", True),
-                        bool(manifest["stage_dag"].get("shards")))
+    recorded = manifest["settings"]
+    settings = Settings(recorded.get("seed", 0), recorded.get("symmetry", True), bool(manifest["stage_dag"].get("shards")),
+                        recorded.get("templates", False))      # certificates from before templates have none
     derivation = derive(plan, settings, manifest.get("claims_dropped", []))
     reduction, part = derivation.reduction, derivation.partition
     if reduction.reduced != manifest["reduction"]["reduced"]:

@@ -181,7 +181,7 @@ def write_certificate(outcome: Outcome, out: str | Path, plan_path: str | Path |
         "counts": outcome.counts(),
         "tiers": outcome.tiers(),
         "symmetry": {"mirrored": part.mirrored, "moved": part.moved, "accumulated": part.accumulated,
-                     "notes": part.symmetry},
+                     "templated": part.templated, "notes": part.symmetry},
         "stage_dag": {"stages": part.dag.number_of_nodes() - len(part.boundary), "boundary": len(part.boundary),
                       "edges": part.dag.number_of_edges(), "shards": part.shards},
         "composition": {"checked": True, "problems": outcome.problems,

@@ -67,7 +67,7 @@ def _solve(part: Partition, budget: Budget, executor: Executor, verdicts: dict[s
 
 
 def verify_plan(plan: Plan, *, budget: Budget = Budget(), executor: Executor | None = None,
-                progress: bool | None = None, seed: int = 0, symmetry: bool = True,
+                progress: bool | None = None, seed: int = 0, symmetry: bool = True, templates: bool = True,
                 checkpoint: Checkpoint | None = None, shards: bool | None = None) -> Outcome:
     """Run the whole verification of `plan`; never raises on a failed proof (see `Outcome.status`).
 
@@ -88,7 +88,7 @@ def verify_plan(plan: Plan, *, budget: Budget = Budget(), executor: Executor | N
     executor = executor or LocalExecutor()
     t = time.perf_counter()
     try:
-        derivation = derive_claims(plan, Settings(seed, symmetry, shards))
+        derivation = derive_claims(plan, Settings(seed, symmetry, shards, templates))
     except CommunicationError as err:   # missing or misrouted communication: no output is ever computed
         empty = Partition([], {}, nx.DiGraph(), [])
         return Outcome(plan, reduce_plan(plan), empty, [], {}, {}, [str(err)], dict(phases), _name(executor),

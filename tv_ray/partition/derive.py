@@ -43,12 +43,14 @@ TOL = 1e-8       # a program output further than this from its lineage in a conc
 @dataclass(frozen=True)
 class Settings:
     """What a derivation depends on besides the plan (recorded in the certificate, so the checker re-derives
-    the same): the concrete runs' seed, data-parallel / microbatch symmetry, and pipeline shards (True,
+    the same): the concrete runs' seed, data-parallel / microbatch symmetry, stage templates
+    (`tv_ray.partition.templates`), and pipeline shards (True,
     False, or None: by the plan's size)."""
 
     seed: int = 0
     symmetry: bool = True
     shards: bool | None = None
+    templates: bool = True
 
 
 @dataclass
@@ -72,7 +74,8 @@ class Derivation:
         symmetry = self.settings.symmetry
         self.partition = partition(self.plan, self.reduction.reduced, self.claims,
                                    self.mirrors or (symmetry and not self.notes), progress=progress,
-                                   shards=self.settings.shards, generate=generate, groups=groups)
+                                   shards=self.settings.shards, generate=generate, groups=groups,
+                                   templates=self.settings.templates)
         self.partition.symmetry = self.notes + self.partition.symmetry
         return self.partition
 

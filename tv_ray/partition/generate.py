@@ -64,6 +64,7 @@ class ShardRun:
     sent: dict[tuple, tuple]
     assumed: dict[tuple, tuple]
     unformed: dict[str, str]
+    templated: int
 
     def __getstate__(self) -> dict:
         sides = [(len(lhs), len(rhs)) for lhs, rhs in self.formulas.values()]
@@ -100,21 +101,42 @@ def pipeline_shards(plan: Plan, claims: dict[tuple[int, str], Claim]) -> list[fr
     return [frozenset(r for r in range(plan.num_ranks) if stage[r] == s) for s in range(size)]
 
 
-def run_shards(plan: Plan, dims: dict[str, int], claims: dict[tuple[int, str], Claim], mirrors: Mirrors | None,
-               moves: Moves | None, blocks: Blocks | None, shards: list[frozenset[int]],
-               logical: LogicalTerms | None = None, bar: tqdm | None = None) -> list[ShardRun]:
+@dataclass(frozen=True)
+class Renamings:
+    """The renamings a generation uses: dp mirrors, microbatch moves, the blocks of samples the logical graph is
+    built for, and stage templates (`tv_ray.partition.templates`)."""
+
+    mirrors: Mirrors | None = None
+    moves: Moves | None = None
+    blocks: Blocks | None = None
+    templates: bool = True
+
+    def run(self, plan: Plan, dims: dict[str, int], logical: LogicalTerms, claims, bar=None,
+            owned: frozenset[int] | None = None) -> SymbolicRun:
+        run = SymbolicRun(plan, dims, logical, claims, self.mirrors, self.moves, bar, owned=owned,
+                          templates=self.templates)
+        run.run()
+        return run
+
+
+def run_shards(plan: Plan, dims: dict[str, int], claims: dict[tuple[int, str], Claim], renamings: Renamings,
+               shards: list[frozenset[int]], logical: LogicalTerms | None = None,
+               bar: tqdm | None = None) -> list[ShardRun]:
     """Run each shard apart (one logical graph for all of them)."""
     if logical is None:
-        logical = LogicalTerms.build(plan.logical, dims, blocks)
+        logical = LogicalTerms.build(plan.logical, dims, renamings.blocks)
     out = []
     for owned in shards:
-        run = SymbolicRun(plan, dims, logical, claims, mirrors, moves, bar, owned=owned)
-        run.run()
+        run = renamings.run(plan, dims, logical, claims, bar, owned)
         ranks, reps = run.resolve_copies()
         out.append(ShardRun(run.obligations, run.formulas, ranks, reps, run.boundary,
                             run.notes + _incomplete(run.pending), run.moved, run.accumulated, run.sent, run.assumed,
-                            run.unformed))
+                            run.unformed, _hits(run)))
     return out
+
+
+def _hits(run: SymbolicRun) -> int:
+    return run.templates.hits if run.templates is not None else 0
 
 
 def merge(runs: list[ShardRun], mirrors: Mirrors | None = None, symmetry: list[str] | None = None) -> Partition:
@@ -151,12 +173,13 @@ def merge(runs: list[ShardRun], mirrors: Mirrors | None = None, symmetry: list[s
                      sum(r.moved for r in runs), sum(r.accumulated for r in runs),
                      {k: why for run in runs for k, why in run.unformed.items()})
     part.shards = len(runs)
+    part.templated = sum(r.templated for r in runs)
     return part
 
 
 def partition(plan: Plan, dims: dict[str, int], claims: dict[tuple[int, str], Claim],
               symmetry: "bool | Mirrors" = True, progress: bool = False, shards: bool | None = None,
-              generate: Generate | None = None, groups: int = 1) -> Partition:
+              generate: Generate | None = None, groups: int = 1, templates: bool = True) -> Partition:
     """Run the plan symbolically with cuts at `claims`; the obligations and the stage DAG.
 
     With `symmetry` (True, or the plan's `mirrors` already found), the logical graph is built for one block
@@ -167,7 +190,8 @@ def partition(plan: Plan, dims: dict[str, int], claims: dict[tuple[int, str], Cl
 
     `shards`: run one shard per pipeline stage (True), whole (False), or decide by size (None, `SHARD_MIN`);
     the shards go to `generate` in `groups` jobs (default: in this process, one job). With `progress`, a bar
-    on stderr counts the ops stepped through (every rank's program), the stages and the unique keys."""
+    on stderr counts the ops stepped through (every rank's program), the stages and the unique keys.
+    `templates`: a stage whose template was seen takes that stage's key without its terms being built."""
     found, notes = (symmetry, []) if isinstance(symmetry, Mirrors) else find_mirrors(plan, dims, symmetry)
     moves = microbatch_moves(plan, dims, found, bool(symmetry))
     blocks = moves.blocks if moves else found.blocks if found else None
@@ -177,7 +201,8 @@ def partition(plan: Plan, dims: dict[str, int], claims: dict[tuple[int, str], Cl
     bar = tqdm(total=total, disable=not progress, unit="op", desc="generating", file=sys.stderr, dynamic_ncols=True)
     try:
         try:
-            return _run(plan, dims, claims, found, moves, blocks, logical, notes, split, bar, generate, groups)
+            return _run(plan, dims, claims, Renamings(found, moves, blocks, templates), logical, notes, split, bar,
+                        generate, groups)
         except Asymmetric as why:
             notes.append(f"symmetry: {why}; every rank run in full")
             have = {r for r, _ in claims}
@@ -185,42 +210,44 @@ def partition(plan: Plan, dims: dict[str, int], claims: dict[tuple[int, str], Cl
                 raise TvRayError(f"data-parallel symmetry failed during the run ({why}) and the claims of the "
                                  f"mirrored ranks were never built; run with --no-symmetry") from None
             bar.reset()
-            return _run(plan, dims, claims, None, None, blocks, logical, notes, split, bar, generate, groups)
+            return _run(plan, dims, claims, Renamings(None, None, blocks, templates), logical, notes, split, bar,
+                        generate, groups)
     finally:
         bar.close()
 
 
-def _run(plan, dims, claims, found, moves, blocks, logical, notes, split, bar, generate, groups) -> Partition:
-    """One generation with the given symmetry: sharded when `split`, and whole if the shards disagree."""
+def _run(plan, dims, claims, renamings: Renamings, logical, notes, split, bar, generate, groups) -> Partition:
+    """One generation with the given renamings: sharded when `split`, and whole if the shards disagree."""
+    found = renamings.mirrors
     symmetry = notes + (found.notes if found else [])
     if split is not None:
         try:
-            return _sharded(plan, dims, claims, found, moves, blocks, logical, split, bar, generate, groups,
-                            symmetry)
+            return _sharded(plan, dims, claims, renamings, logical, split, bar, generate, groups, symmetry)
         except Unshardable as why:
             notes.append(f"pipeline shards: {why}; the run was made whole")
             symmetry = notes + (found.notes if found else [])
             bar.reset()
-    run = SymbolicRun(plan, dims, logical(), claims, found, moves, bar)
-    run.run()
+    run = renamings.run(plan, dims, logical(), claims, bar)
     copies = run.resolve_copies()
     run.notes += _incomplete(run.pending)
-    return _assemble(run.obligations, run.boundary, run.notes, run.formulas, symmetry, copies, found, run.moved,
+    part = _assemble(run.obligations, run.boundary, run.notes, run.formulas, symmetry, copies, found, run.moved,
                      run.accumulated, run.unformed)
+    part.templated = _hits(run)
+    return part
 
 
-def _sharded(plan, dims, claims, found, moves, blocks, logical, split, bar, generate, groups, symmetry) -> Partition:
+def _sharded(plan, dims, claims, renamings: Renamings, logical, split, bar, generate, groups, symmetry) -> Partition:
     jobs = [split[g::groups] for g in range(min(groups, len(split)))]
     runs: list[list[ShardRun] | None] = [None] * len(jobs)
     if generate is None:
         for i, job in enumerate(jobs):
-            runs[i] = run_shards(plan, dims, claims, found, moves, blocks, job, logical(), bar)
+            runs[i] = run_shards(plan, dims, claims, renamings, job, logical(), bar)
     else:
-        for i, result in generate(run_shards, [(plan, dims, claims, found, moves, blocks, job) for job in jobs]):
+        for i, result in generate(run_shards, [(plan, dims, claims, renamings, job) for job in jobs]):
             runs[i] = result
             bar.update(ops_of(plan, set().union(*jobs[i])))
     by_shard = {owned: run for job, done in zip(jobs, runs) for owned, run in zip(job, done)}
-    return merge([by_shard[owned] for owned in split], found, symmetry)
+    return merge([by_shard[owned] for owned in split], renamings.mirrors, symmetry)
 
 
 def _incomplete(pending: dict) -> list[str]:
@@ -233,4 +260,4 @@ def _assemble(obligations, boundary, run_notes, formulas, symmetry, copies, foun
                      unformed, copies[0], copies[1], found, moved, accumulated)
 
 
-__all__ = ["partition", "pipeline_shards", "run_shards", "merge", "ops_of", "ShardRun", "SHARD_MIN"]
+__all__ = ["partition", "pipeline_shards", "run_shards", "merge", "ops_of", "ShardRun", "Renamings", "SHARD_MIN"]

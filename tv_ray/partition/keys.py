@@ -5,8 +5,9 @@ variables — which rank, microbatch or slice they came from is gone — so one
 solve serves all of them (soundness rule 2: the key covers everything the
 formula is built from, because it is computed from the formula itself).
 `relative_names` renames each slot's atoms to slot-free names (element
-indices relative to the smallest used, tensors by relative logical order), so
-every data-parallel rank and microbatch of a stage yields the same key.
+indices relative to the smallest used, tensors numbered in their logical
+order), so every data-parallel rank, microbatch and layer of a stage yields
+the same key.
 Data elements keep their one-hot structure: ``onehot:tokens[3,1]=2/4``
 becomes ``onehot:t0[0,0]=2/4`` in a formula whose first token element is [3,1].
 """
@@ -19,7 +20,7 @@ from tv_ray.partition.ids import Part
 from tv_ray.terms import Kind, Term, postorder
 from tv_ray.terms.atom import Atom
 
-KEY_VERSION = b"tv-ray-key/2"
+KEY_VERSION = b"tv-ray-key/3"
 
 
 def _slot_free(base) -> str:
@@ -30,8 +31,8 @@ def _slot_free(base) -> str:
 
 def relative_names(names: Iterable, order: Mapping[str, int]) -> dict:
     """Slot-free names for a formula's variables (each an `Atom` or a plain name): each tensor's element indices
-    shifted so the smallest index it uses on each dimension is 0; logical tensors numbered by their logical
-    order relative to the earliest one the formula reads; other bases (free splits of partial sums, opaque
+    shifted so the smallest index it uses on each dimension is 0; logical tensors numbered in their logical
+    order (the formula's earliest tensor t0, the next t1, ...: the same in every layer); other bases (free splits of partial sums, opaque
     values) numbered in the order of their text without the rank or group; plain names kept behind "=".
     Injective. Each name maps to its relative text and, for a one-hot indicator, its data element's."""
     atoms_, low, out = [], {}, {}
@@ -42,10 +43,9 @@ def relative_names(names: Iterable, order: Mapping[str, int]) -> dict:
         atoms_.append(name)
         base, idx = name.base, name.idx
         low[base] = idx if base not in low else tuple(map(min, low[base], idx))
-    logical = [b for b in low if isinstance(b, str) and b in order]
-    first = min((order[b] for b in logical), default=0)
+    logical = sorted((b for b in low if isinstance(b, str) and b in order), key=order.__getitem__)
     others = sorted((b for b in low if not (isinstance(b, str) and b in order)), key=lambda b: (_slot_free(b), str(b)))
-    label = {b: f"t{order[b] - first}" for b in logical} | {b: f"f{i}" for i, b in enumerate(others)}
+    label = {b: f"t{i}" for i, b in enumerate(logical)} | {b: f"f{i}" for i, b in enumerate(others)}
     for name in atoms_:
         element = f"{label[name.base]}[{','.join(str(i - j) for i, j in zip(name.idx, low[name.base]))}]"
         if name.onehot is None:

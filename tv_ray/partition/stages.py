@@ -49,6 +49,7 @@ from tv_ray.partition.keys import content_digests, formula_key
 from tv_ray.partition.logical import LogicalTerms, atoms
 from tv_ray.partition.ids import Part, StageId
 from tv_ray.partition.symmetry import Mirrors, Moves
+from tv_ray.partition.templates import Templates, leaf, part
 from tv_ray.plan import Plan
 from tv_ray.semantics.symbolic import as_dtype, eval_symbolic, group_rule
 from tv_ray.semantics.table import instantiate_shape
@@ -104,6 +105,7 @@ class Partition:
     moved: int = 0                  # recorded stages of microbatches k > 0 taken from microbatch 0's (one key)
     accumulated: int = 0            # gradient accumulation stages proved as microbatch 0's contribution
     shards: int = 0                 # pipeline shards the stages were generated in (0: one run)
+    templated: int = 0              # stages keyed from their template, their terms never built
 
     @property
     def mirrored(self) -> int:
@@ -234,8 +236,12 @@ class SymbolicRun(Scheduler):
 
     def __init__(self, plan: Plan, dims: dict[str, int], logical: LogicalTerms,
                  claims: dict[tuple[int, str], Claim], mirrors: Mirrors | None = None, moves: Moves | None = None,
-                 bar: tqdm | None = None, owned: frozenset[int] | None = None):
+                 bar: tqdm | None = None, owned: frozenset[int] | None = None, templates: bool = True):
         self.logical, self.claims, self.mirrors, self.moves, self.bar = logical, claims, mirrors, moves, bar
+        # each value's provenance (`tv_ray.partition.templates`): what a stage's descriptor is made of
+        self.templates = Templates(logical, dims) if templates else None
+        self.provenance: dict[tuple[int, str], tuple | None] = {}
+        self._received_provenance: tuple | None = None
         self.owned = owned          # the ranks this run steps (a pipeline shard); None: every rank
         self._stepped = 0
         self.mirrored = mirrors.rep if mirrors else {}
@@ -301,8 +307,9 @@ class SymbolicRun(Scheduler):
                 claim = self._claim(rank, spec.name)
                 if claim is None:
                     continue
-                inputs[rank][spec.name] = (Mirrored(claim.shape) if rank in self.mirrored
-                                           else self._continuation(rank, claim))
+                inputs[rank][spec.name] = value = (Mirrored(claim.shape) if rank in self.mirrored
+                                                   else self._continuation(rank, claim))
+                self.provenance[rank, spec.name] = self._input_provenance(claim, value)
                 cid = StageId.input(rank, spec.name)
                 self.sources[rank, spec.name] = frozenset({cid})
                 self.boundary[cid] = claim
@@ -589,10 +596,11 @@ class SymbolicRun(Scheduler):
         return None
 
     def send_extra(self, state, node):
-        return self.sources.get((state.rank, node.args[0]), frozenset())
+        return (self.sources.get((state.rank, node.args[0]), frozenset()),
+                self.provenance.get((state.rank, node.args[0])))
 
     def receive_extra(self, extra):
-        self._received = extra
+        self._received, self._received_provenance = extra
 
     # -- a pipeline shard: the other shards' ranks are never stepped -----------------------------
     def _send(self, state, node: Node) -> bool:
@@ -600,7 +608,7 @@ class SymbolicRun(Scheduler):
         if self.owned is None or dst in self.owned:
             return super()._send(state, node)
         where = self._crossing(state.rank, dst, node.attr.get("tag", 0))
-        self.sent[where] = fingerprint(state.env[node.args[0]], self.send_extra(state, node))
+        self.sent[where] = fingerprint(state.env[node.args[0]], self.send_extra(state, node)[0])
         self._advance(state, node, TOKEN)
         return True
 
@@ -609,12 +617,12 @@ class SymbolicRun(Scheduler):
         if self.owned is None or src in self.owned:
             return super()._recv(state, node)
         where = self._crossing(src, state.rank, node.attr.get("tag", 0))
-        value, reads = self._sent_by(*where)
+        value, reads, made = self._sent_by(*where)
         if value.shape != instantiate_shape(node.attr["size"], self.dims):
             raise Unshardable(f"{self.plan.describe(state.rank)} at {state.where()} expects shape "
                               f"{node.attr['size']} from rank {src}, which sends {value.shape}")
         self.assumed[where] = fingerprint(value, reads)
-        self._received = reads
+        self._received, self._received_provenance = reads, made
         self._advance(state, node, value)
         return True
 
@@ -641,35 +649,38 @@ class SymbolicRun(Scheduler):
         return self._value_of(src, names[n], 0)
 
     def _value_of(self, src: int, tensor: str, depth: int):
-        """(value, reads) of `tensor` on `src` at the point it is sent: a claim's continuation where it is cut
-        there, else its op on its arguments' (a view of a cut value; at most `REPLAY_DEPTH` ops deep)."""
+        """(value, reads, provenance) of `tensor` on `src` at the point it is sent: a claim's continuation where
+        it is cut there, else its op on its arguments' (a view of a cut value; at most `REPLAY_DEPTH` ops
+        deep) — what the run of `src` holds there."""
         claim = self._claim(src, tensor)
         node = self._nodes[self.ranks[src].name].get(tensor)
         if node is None:                     # a program input: its boundary claim
             if claim is None:
                 raise Unshardable(f"{self.plan.describe(src)} sends its input {tensor}, which has no lineage")
             value = Mirrored(claim.shape) if src in self.mirrored else self._continuation(src, claim)
-            return value, frozenset({StageId.input(src, tensor)})
+            return value, frozenset({StageId.input(src, tensor)}), self._input_provenance(claim, value)
         if claim is not None and node.dtype == "float":
             members = self.members(src, claim.partial)
             cid = StageId.group(members, tensor)
             if src in self.mirrored and (not claim.partial or all(m in self.mirrored for m in members)):
-                return Mirrored(claim.shape), frozenset({cid})
+                return Mirrored(claim.shape), frozenset({cid}), None
             value = self._part(src, members, claim, cid) if claim.partial else self._continuation(src, claim)
-            return value, frozenset({cid})
+            return value, frozenset({cid}), self._continued(src, members, claim, cid, value)
         if depth >= REPLAY_DEPTH or node.op in COLLECTIVES or node.op in (Op.SEND, Op.RECV):
             raise Unshardable(f"{self.plan.describe(src)} sends {tensor}, which is not cut at a claim")
         args = [self._value_of(src, a, depth + 1) for a in node.args]
         noted = len(self.notes)
         try:
-            value = self.evaluate(self.ranks[src], node, [v for v, _ in args])
+            value = self.evaluate(self.ranks[src], node, [v for v, _, _ in args])
         except Asymmetric:
             raise
         except (TvRayError, ArithmeticError, ValueError, IndexError, TypeError) as err:
             raise Unshardable(f"{self.plan.describe(src)} sends {tensor}, which fails there: {err}") from None
         if len(self.notes) != noted:
             raise Unshardable(f"{self.plan.describe(src)} sends {tensor}, which has no symbolic rule")
-        return value, frozenset().union(*(r for _, r in args))
+        made = self.templates.op(node, [p for _, _, p in args]) \
+            if self.templates is not None and isinstance(value, np.ndarray) else None
+        return value, frozenset().union(*(r for _, r, _ in args)), made
 
     # -- cuts -----------------------------------------------------------------------------------
     def _reads(self, state, node: Node) -> frozenset[str]:
@@ -684,6 +695,14 @@ class SymbolicRun(Scheduler):
             reads = reads | {StageId.opaque(state.rank, node.name)}
         return reads
 
+    def _provenance(self, state, node: Node, value) -> tuple | None:
+        """How a computed value came about, for a template (None: not from continuations and ops alone)."""
+        if not isinstance(value, np.ndarray) or (state.rank, node.name) in self.opaque or node.op in COLLECTIVES:
+            return None
+        if node.op == Op.RECV:
+            return self._received_provenance
+        return self.templates.op(node, [self.provenance.get((state.rank, a)) for a in node.args])
+
     def _advance(self, state, node: Node, value) -> None:
         if isinstance(value, Mirrored) and state.rank not in self.mirrored:
             raise Asymmetric(f"{self.plan.describe(state.rank)} {node.name} receives a mirrored rank's value")
@@ -692,10 +711,12 @@ class SymbolicRun(Scheduler):
                 self.mirrors.blocks.tags.get(claim.logical) is not None:
             raise Asymmetric(f"{self.plan.describe(state.rank)} {node.name}: a collective's result claimed as "
                              f"a slice with samples")
+        made = self._provenance(state, node, value) if self.templates is not None else None
         if claim is not None and node.dtype == "float" and node.op != Op.SEND:
-            value = self._cut(state, node, value, claim)
+            value, made = self._cut(state, node, value, claim, made)
         else:
             self.sources[state.rank, node.name] = self._reads(state, node)
+        self.provenance[state.rank, node.name] = made
         freed = self.frees[state.name][state.pc]
         super()._advance(state, node, value)
         self._stepped += 1
@@ -703,24 +724,27 @@ class SymbolicRun(Scheduler):
             self._show(BAR_STEP)
         for name in freed:                  # a value read for the last time: nothing reads its sources again
             self.sources.pop((state.rank, name), None)
+            self.provenance.pop((state.rank, name), None)
         if state.done:
             for held in (self._memo, self._conts, self._parts0, self._cuts0, self._footprints):
                 held.pop(state.rank, None)
 
-    def _cut(self, state, node: Node, value, claim: Claim):
+    def _cut(self, state, node: Node, value, claim: Claim, made: tuple | None = None):
+        """Record the stage (or its part) and return what the run continues from, with its provenance."""
         rank = state.rank
         members = self.members(rank, claim.partial)
         cid = StageId.group(members, node.name)
         self.sources[rank, node.name] = frozenset({cid})
         if not claim.partial and isinstance(value, Mirrored):
             self._copy(state)
-            return Mirrored(claim.shape)
+            return Mirrored(claim.shape), None
         reads = self._reads(state, node)
         if not claim.partial:
             if not self._moved_stage(cid, members, state, node, claim, [value], reads):
-                self._record(cid, members, state, node, claim, [value], reads)
+                self._record(cid, members, state, node, claim, [value], reads, made=made)
                 self._remember(members, node, claim, [value])
-            return self._continuation(rank, claim)
+            out = self._continuation(rank, claim)
+            return out, self._continued(rank, members, claim, cid, out)
         parts = self.pending.setdefault(cid, {})
         parts[rank] = (value, reads)
         copied = all(m in self.mirrored for m in members)
@@ -738,8 +762,24 @@ class SymbolicRun(Scheduler):
                 self._record_group(cid, members, state, node, claim, values, reads)
                 self._remember(members, node, claim, values)
         if copied and isinstance(value, Mirrored):
-            return Mirrored(claim.shape)
-        return self._part(rank, members, claim, cid)
+            return Mirrored(claim.shape), None
+        out = self._part(rank, members, claim, cid)
+        return out, self._continued(rank, members, claim, cid, out)
+
+    def _input_provenance(self, claim: Claim, value) -> tuple | None:
+        """A program input continues from its boundary claim's atoms (`_continuation`)."""
+        return leaf(claim) if self.templates is not None and isinstance(value, np.ndarray) else None
+
+    def _continued(self, rank: int, members, claim: Claim, cid: StageId, value) -> tuple | None:
+        """The provenance of what a rank continues from after a cut: the claim's atoms, or a free part of it
+        (None for a mirrored, moved or contributed value, which no template covers)."""
+        if self.templates is None or not isinstance(value, np.ndarray):
+            return None
+        if not claim.partial:
+            return leaf(claim)
+        if self._contributes(members, claim):
+            return None
+        return part(claim, members.index(rank), len(members), cid)
 
     def _part(self, rank: int, members, claim: Claim, cid: StageId):
         """What group member `rank` continues from after a partial claim: its dp block's contribution, for a
@@ -801,7 +841,18 @@ class SymbolicRun(Scheduler):
         self.copied[0].append(state.rank)
         self.copied[1].append(state.pc)
 
-    def _record(self, cid, members, state, node: Node, claim: Claim, values, reads, rhs=None) -> None:
+    def _record(self, cid, members, state, node: Node, claim: Claim, values, reads, rhs=None,
+                made: tuple | None = None) -> None:
+        """The stage's obligation: its key from its template when one was seen (`made`: the provenance of a
+        one-rank stage's value), else from its formula, built here."""
+        template = None
+        if made is not None and rhs is None:
+            template = self.templates.descriptor(made, claim)
+            key = self.templates.built.get(template)
+            if key:                          # a renaming of a stage built before: its key, no terms
+                self.templates.hits += 1
+                self._append(cid, members, state, node, claim, key, reads)
+                return
         if rhs is None and self.moves is not None:      # an accumulation over every block of the batch
             values, rhs = self._accumulated(claim, values, self.moves.blocks.count) or (values, None)
         values = [as_dtype(self._real(v), "float") for v in values]
@@ -825,9 +876,12 @@ class SymbolicRun(Scheduler):
             self.unformed[key] = why
             self._append(cid, members, state, node, claim, key, reads)
             return
-        lhs, rhs = expand(lhs, rhs, self.logical)
-        key = formula_key(lhs, rhs, self.logical.order)
-        self.formulas.setdefault(key, (lhs, rhs))
+        unfolded = expand(lhs, rhs, self.logical)
+        key = formula_key(*unfolded, self.logical.order)
+        if template is not None:
+            # unfolding read the logical graph beyond the descriptor: such a template is built every time
+            self.templates.built[template] = key if unfolded[0] is lhs and unfolded[1] is rhs else ""
+        self.formulas.setdefault(key, unfolded)
         self._append(cid, members, state, node, claim, key, reads)
 
     def _append(self, cid, members, state, node: Node, claim: Claim, key: str, reads) -> None:

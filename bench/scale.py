@@ -1,0 +1,118 @@
+"""Stage generation at scale, with stage templates against without, side by side in one run.
+
+    python bench/scale.py [--configs "llama3-8b:32:dp=4,tp=8,pp=4,mb=8:512;..."] [--out bench/results/scale.json]
+                          [--modes templates,baseline] [--plot bench/results/scale.png]
+
+A config is MODEL:LAYERS:SPEC:BATCH (LAYERS overrides the model's depth: the sweeps over 4, 8, 16, 32 layers).
+Each (config, mode) runs in its own child process (their peaks do not add up): capture and plan, the claims,
+then the stages (`partition`, one process, whole: `--shards off`), AdamW and clipping on. Per row: wall seconds
+per phase, peak RSS, stages (obligations), stages keyed by template without being built, unique keys, and
+a digest of the stages (id, ranks, reads, claim) that must be the same in both modes. `baseline` is
+`templates=False`: every stage's formula built, as before templates.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DEFAULT = ";".join(f"llama3-8b:{layers}:dp=4,tp=8,pp=4,mb=8:32" for layers in (4, 8, 16, 32))
+
+
+def measure(model: str, layers: int, spec: str, batch: int, templates: bool) -> dict:
+    import tv_ray
+    from tv_ray.models import get
+    from tv_ray.partition.derive import claims_for, unmirrored
+    from tv_ray.partition.generate import ops_of, partition
+    from tv_ray.partition.symmetry import find_mirrors
+    from tv_ray.reduce import reduce_plan
+    started = time.perf_counter()
+    base = get(model)
+    model_spec = base.with_dims({**base.dims, "batch": batch}, layers=layers)
+    plan = tv_ray.parallelize(tv_ray.capture_step(model_spec, optim="adamw", clip=1.0), spec, model=model_spec)
+    planned = time.perf_counter()
+    dims = reduce_plan(plan).reduced
+    found, notes = find_mirrors(plan, dims, True)
+    claims = claims_for(plan, dims, 0, unmirrored(plan, found))[1]
+    claimed = time.perf_counter()
+    part = partition(plan, dims, claims, found or not notes, shards=False, templates=templates)
+    done = time.perf_counter()
+    h = hashlib.sha256()
+    for o in sorted(part.obligations, key=lambda o: str(o.id)):
+        h.update(f"{o.id}|{o.ranks}|{[str(r) for r in o.reads]}|{o.claim}\n".encode())
+    return {"model": model, "layers": layers, "parallel": spec, "batch": batch, "ranks": plan.num_ranks,
+            "templates": templates, "ops": ops_of(plan, range(plan.num_ranks)), "stages": part.size,
+            "recorded": len(part.obligations), "templated": part.templated, "unique": len(part.formulas),
+            "seconds": {"plan": round(planned - started, 1), "claims": round(claimed - planned, 1),
+                        "stages": round(done - claimed, 1)},
+            "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20, 2),
+            "digest": h.hexdigest()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--configs", default=DEFAULT)
+    parser.add_argument("--modes", default="templates,baseline")
+    parser.add_argument("--out", default="bench/results/scale.json")
+    parser.add_argument("--plot", default="")
+    parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        model, layers, spec, batch, mode = args.child
+        print(json.dumps(measure(model, int(layers), spec, int(batch), mode == "templates")), flush=True)
+        return 0
+    out = Path(args.out)
+    rows = json.loads(out.read_text())["rows"] if out.exists() else []
+    ok = True
+    for config in args.configs.split(";"):
+        model, layers, spec, batch = config.split(":")
+        got = {}
+        for mode in args.modes.split(","):
+            child = subprocess.run([sys.executable, __file__, "--child", model, layers, spec, batch, mode],
+                                   capture_output=True, text=True)
+            if child.returncode:
+                print(child.stderr[-3000:], file=sys.stderr)
+                ok = False
+                continue
+            got[mode] = json.loads(child.stdout.strip().splitlines()[-1])
+            print(json.dumps(got[mode]), flush=True)
+        if len(got) == 2:
+            t, b = got["templates"], got["baseline"]
+            ok = ok and t["digest"] == b["digest"]
+            t["side_by_side"] = {"baseline_stages_s": b["seconds"]["stages"],
+                                 "speedup": round(b["seconds"]["stages"] / max(t["seconds"]["stages"], 1e-9), 2),
+                                 "same_stages": t["digest"] == b["digest"], "baseline_unique": b["unique"],
+                                 "baseline_peak_rss_gib": b["peak_rss_gib"]}
+        for row in got.values():
+            rows = [r for r in rows if (r["model"], r["layers"], r["parallel"], r["batch"], r["templates"]) !=
+                    (row["model"], row["layers"], row["parallel"], row["batch"], row["templates"])] + [row]
+        out.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+    if args.plot:
+        plot(rows, args.plot)
+    return 0 if ok else 1
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for templates in (True, False):
+        pts = sorted((r["layers"], r["seconds"]["stages"]) for r in rows if r["templates"] == templates
+                     and r["parallel"] == "dp=4,tp=8,pp=4,mb=8")
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label="templates" if templates else "baseline (every stage built)")
+    ax.set_xlabel("layers (llama3-8b, dp=4,tp=8,pp=4,mb=8)")
+    ax.set_ylabel("stage generation (s)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""Stage templates (tv_ray/partition/templates.py): a stage keyed by its template is a renaming of the one
+instance built — checked here by building every instance and comparing them renamed — and templates make
+most stages of a plan free."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tv_ray import api
+from tv_ray.partition import stages as stages_module
+from tv_ray.partition.derive import claims_for
+from tv_ray.partition.generate import partition
+from tv_ray.partition.ids import Part
+from tv_ray.partition.keys import formula_key
+from tv_ray.partition.templates import Templates
+from tv_ray.reduce import reduce_plan
+from tv_ray.terms import Kind, postorder, substitute, var
+from tv_ray.terms.atom import Atom
+
+PLANS = [("llama3-tiny", "dp=2,tp=2,pp=2,mb=2", {"sp": True}), ("gpt2-tiny", "tp=2,pp=2,mb=2", {}),
+         ("llama3-tiny", "dp=4", {"zero": 3}), ("llama3-tiny", "tp=2,mb=2", {"zero": 1})]
+
+
+def _renamed(lhs, rhs, numbers) -> str:
+    """The formula with every tensor and part named by its number in the template: two instances of one
+    template give the same text (the renaming the template stands for), whatever layer or slot they are."""
+    mapping = {}
+    for n in postorder(*lhs, *rhs):
+        if n.kind is Kind.VAR and isinstance(n.payload, Atom):
+            base = n.payload.base
+            label = f"P{numbers[('part', base.cid)]}.{base.p}" if isinstance(base, Part) else \
+                f"T{numbers[base]}" if base in numbers else None
+            if label is not None:
+                mapping[n] = var(n.payload._replace(base=label))
+    memo: dict = {}
+    return formula_key([substitute(t, mapping, memo) for t in lhs], [substitute(t, mapping, memo) for t in rhs])
+
+
+@pytest.fixture(scope="module", params=PLANS, ids=lambda p: f"{p[0]}-{p[1]}-{p[2]}")
+def claimed(request):
+    model, spec, flags = request.param
+    plan = api.parallelize(api.capture_step(model, optim="adamw", clip=1.0), spec, model=model, **flags)
+    dims = reduce_plan(plan).reduced
+    return plan, dims, claims_for(plan, dims)[1]
+
+
+def test_every_instance_of_a_template_is_the_built_one_renamed(claimed, monkeypatch):
+    """Templates that never count as built: every instance is built; each must be the first one renamed."""
+    plan, dims, claims = claimed
+    seen: dict[str, set] = {}
+    descriptor, expand = Templates.descriptor, stages_module.expand
+    last = {}
+
+    def spy_descriptor(self, provenance, claim):
+        key = descriptor(self, provenance, claim)
+        last["template"], last["numbers"] = key, dict(self.numbers)
+        return key
+
+    def spy_expand(lhs, rhs, logical):
+        out = expand(lhs, rhs, logical)
+        if last.get("template") is not None:
+            seen.setdefault(last["template"], set()).add(_renamed(*out, last["numbers"]))
+            last["template"] = None
+        return out
+
+    class NeverBuilt(dict):
+        def get(self, key, default=None):
+            return None
+
+        def __setitem__(self, key, value):
+            pass
+
+    monkeypatch.setattr(Templates, "descriptor", spy_descriptor)
+    monkeypatch.setattr(stages_module, "expand", spy_expand)
+    monkeypatch.setattr(Templates, "built", NeverBuilt(), raising=False)
+    original_init = Templates.__init__
+
+    def init(self, *a, **kw):
+        original_init(self, *a, **kw)
+        self.built = NeverBuilt()
+    monkeypatch.setattr(Templates, "__init__", init)
+    for symmetry in (True, False):
+        partition(plan, dims, claims, symmetry=symmetry, shards=False)
+    assert len(seen) > 50
+    assert {t: len(forms) for t, forms in seen.items() if len(forms) > 1} == {}
+
+
+def test_templates_key_most_stages_without_building_them_and_change_no_stage(claimed):
+    plan, dims, claims = claimed
+    on, off = (partition(plan, dims, claims, templates=t) for t in (True, False))
+    assert on.templated > 0.3 * len(on.obligations) and off.templated == 0
+    assert len(on.formulas) < len(off.formulas) + on.templated      # fewer formulas built than stages keyed
+    assert [(o.id, o.reads, o.claim) for o in on.every()] == [(o.id, o.reads, o.claim) for o in off.every()]
+    # one template, one key; a formula key where templates are off
+    assert {o.key for o in on.obligations} <= set(on.formulas) | set(on.unformed)
+    assert np.array_equal(on.copy_of, off.copy_of)
+
+
+# -- a layer, a microbatch, a tensor-parallel rank, a ZeRO shard made different: each is its own template ---------
+def _mutated(plan, pick, override: int | None = None):
+    """`plan` with every op `pick` selects given `other` ×1.5 (on rank `override` alone, when given)."""
+    from tests.engine.mutants import _set_attrs, edit, with_program
+    prog = plan.programs["main"]
+    chosen = [n for n in prog.nodes if "other" in n.attr and isinstance(n.attr["other"], float) and pick(n)]
+    assert chosen
+    name = "main" if override is None else f"main_r{override}"
+    graph = edit(prog, name, change={n.name: _set_attrs(n, other=n.attr["other"] * 1.5) for n in chosen})
+    return with_program(plan, name, graph, overrides=[override] if override is not None else []), chosen
+
+
+@pytest.fixture(scope="module")
+def zero_plan():
+    """llama3-tiny dp=2 × tp=2, two microbatches, ZeRO 1, AdamW, clip 1.0; rank = dp*2 + tp."""
+    return api.parallelize(api.capture_step("llama3-tiny", optim="adamw", clip=1.0), "dp=2,tp=2,mb=2",
+                           model="llama3-tiny", zero=1)
+
+
+CASES = {
+    "one layer": (lambda n: n.get_meta("module", "").startswith("layers.1.") and n.get_meta("phase") == "fwd",
+                  None, lambda ob: ob.module.startswith("layers.1.") and ob.phase == "fwd"),
+    "one microbatch": (lambda n: n.get_meta("module", "").startswith("layers.0.") and n.get_meta("mb") == 1
+                       and n.get_meta("phase") == "fwd", None, lambda ob: ob.mb == 1 and ob.phase == "fwd"),
+    "one tp rank": (lambda n: n.get_meta("module", "").startswith("layers.0.") and n.get_meta("phase") == "fwd",
+                    1, lambda ob: 1 in ob.ranks and ob.phase == "fwd"),
+    "one ZeRO shard": (lambda n: n.get_meta("phase") == "optim", 2, lambda ob: ob.ranks == (2,) and
+                       ob.phase == "optim"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_part_that_differs_is_refuted_where_it_differs(zero_plan, case):
+    from tv_ray.engine.driver import verify_plan
+    from tv_ray.engine.executor import LocalExecutor
+    from tv_ray.engine.solve import Budget
+    pick, override, where = CASES[case]
+    mutant, chosen = _mutated(zero_plan, pick, override)
+    outcome = verify_plan(mutant, budget=Budget(solvers=("z3",)), executor=LocalExecutor(), progress=False)
+    assert outcome.partition.templated > 0.3 * len(outcome.partition.obligations)
+    assert outcome.status == "refuted", outcome.problems[:3]
+    first = outcome.first_refuted()
+    assert where(first), (first.id, first.ranks, first.mb, first.module, first.phase)

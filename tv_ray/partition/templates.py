@@ -1,0 +1,163 @@
+"""Stage templates: a stage's structure, keyed before its terms are built, so a repeated stage is not built again.
+
+A stage's formula — its physical ops applied to the values it read, against
+its claim's logical definition — is a function of
+
+- the physical ops since the last cuts: op, attributes and shapes at the
+  reduced dims (`Templates.signature`), and how they are wired;
+- each value it read: the claim it continues from (its logical tensor, the
+  slice's offsets and shape, the axes it is a partial sum over, and for a
+  free part of a partial claim the member's position in its group and the
+  group's size) — a continuation is the logical tensor's atoms on the slice,
+  except the elements whose definition is a constant (`Templates.klass`
+  hashes where they are and what they are);
+- the claim it must meet: its logical tensor and slice, and that tensor's
+  logical op, attributes and arguments (each with its `klass`).
+
+Logical tensors enter by *first-occurrence number* within the stage (which
+of them are the same tensor), never by name or layer, together with their
+order in the logical graph (which comes first). Two stages with the
+same descriptor therefore have formulas that are the same up to renaming
+each logical tensor's atoms to the other's (and each free part's): one is
+valid exactly when the other is (a renamed valid formula is valid), so the
+second stage is the first one's obligation renamed: it takes the first one's key (the renaming keeps the
+tensors' logical order, which is all the key's numbering reads, so it is its own formula's key too) and
+its terms are never built.
+docs/templates.md gives the argument and what is *not* templated:
+
+- a stage whose formula needed unfolding of logical intermediates (`expand`
+  changed it): unfolding reads the logical graph beyond the descriptor, so
+  every such stage is built in full;
+- a stage of a group (a partial claim over several ranks), a stage that read
+  a collective's or another shard's value without a cut, a mirrored, moved or
+  accumulated value, a dp contribution, an opaque op: built in full as before;
+- cones of more than `MAX_CONE` ops.
+
+Offsets are absolute, so stages of different tensor-parallel ranks (which
+hold other slices) are different templates; layers share them.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from tv_ray.ir import Node
+from tv_ray.partition.claims import Claim
+from tv_ray.partition.ids import StageId
+from tv_ray.partition.logical import LogicalTerms
+from tv_ray.semantics.table import instantiate_attrs, instantiate_shape
+from tv_ray.terms import Kind, Term
+from tv_ray.terms.atom import Atom
+
+MAX_CONE = 64          # physical ops since the last cuts beyond which a stage is not templated
+TEMPLATE_VERSION = b"tv-ray-template/1"
+
+
+def leaf(claim: Claim) -> tuple:
+    """The provenance of a value continued from a whole or sliced claim."""
+    return ("c", claim, 1)
+
+
+def part(claim: Claim, position: int, size: int, cid: StageId) -> tuple:
+    """The provenance of group member `position`'s free part of a partial claim over `size` ranks."""
+    return ("p", claim, 1, position, size, cid)
+
+
+class Templates:
+    """Stage descriptors (one table per symbolic run): `built` maps a template one instance has built to that
+    formula's key — every instance's, since their formulas are renamings of it that keep the tensors' logical
+    order (`tv_ray.partition.keys` numbers tensors in that order) — or to "" when it needed unfolding (every
+    instance is then built, under its own formula's key)."""
+
+    def __init__(self, logical: LogicalTerms, dims: dict[str, int]):
+        self.logical, self.dims = logical, dims
+        self.built: dict[str, str] = {}
+        self.hits = 0
+        self._signatures: dict[int, tuple] = {}
+        self._classes: dict[str, str] = {}
+
+    def signature(self, node: Node) -> tuple:
+        """An op as the formula sees it: op, attributes and shape at the reduced dims, dtype."""
+        sig = self._signatures.get(id(node))
+        if sig is None:
+            sig = self._signatures[id(node)] = (str(node.op), tuple(sorted(instantiate_attrs(node, self.dims).items())),
+                                                tuple(instantiate_shape(node.shape, self.dims)), node.dtype)
+        return sig
+
+    def op(self, node: Node, args: list) -> tuple | None:
+        """The provenance of an op's value from its arguments' (None when any is unknown or the cone is large)."""
+        if any(a is None for a in args):
+            return None
+        size = 1 + sum(a[2] for a in args)
+        return None if size > MAX_CONE else ("o", self.signature(node), size, tuple(args))
+
+    def klass(self, tensor: str) -> str:
+        """A logical tensor as its atoms and definition show it: op, attributes, shape, dtype, its arguments'
+        ops and shapes, and every element of its value that is not its own atom (constants where the
+        definition is constant; the whole value of a tensor that is not computed from float inputs)."""
+        found = self._classes.get(tensor)
+        if found is not None:
+            return found
+        lt = self.logical
+        node = lt.nodes.get(tensor)
+        value = lt.value[tensor]
+        h = hashlib.sha256(repr((self._shallow(tensor), value.shape,
+                                 None if node is None else [self._shallow(a) for a in node.args])).encode())
+        for idx in np.ndindex(value.shape):
+            x = value[idx]
+            if isinstance(x, Term) and x.kind is Kind.VAR and isinstance(x.payload, Atom) and \
+                    x.payload.base == tensor and x.payload.onehot is None and x.payload.idx == idx:
+                continue         # its own atom: renamed with the tensor
+            h.update(repr(idx).encode())
+            h.update(x.digest if isinstance(x, Term) else repr(x).encode())
+        found = self._classes[tensor] = h.hexdigest()
+        return found
+
+    def _shallow(self, tensor: str) -> tuple:
+        node = self.logical.nodes.get(tensor)
+        if node is None:
+            spec = self.logical.graph.value(tensor)
+            return ("input", spec.dtype, tuple(instantiate_shape(spec.shape, self.dims)))
+        return self.signature(node)
+
+    def descriptor(self, provenance: tuple, claim: Claim) -> str:
+        """The template of the stage whose computed value has `provenance`, cut at `claim` (see the module
+        docstring): the SHA-256 of its descriptor."""
+        numbers: dict = {}
+        rows: list = []
+        memo: dict[int, int] = {}
+
+        def number(thing) -> int:
+            return numbers.setdefault(thing, len(numbers))
+
+        def claim_row(c: Claim) -> tuple:
+            return (number(c.logical), self.klass(c.logical), c.offsets, c.shape, c.partial)
+
+        stack = [(provenance, False)]
+        while stack:                  # post-order over the provenance DAG, shared nodes once
+            p, expanded = stack.pop()
+            if id(p) in memo:
+                continue
+            if p[0] == "o" and not expanded:
+                stack.append((p, True))
+                stack.extend((a, False) for a in reversed(p[3]) if id(a) not in memo)
+                continue
+            if p[0] == "c":
+                row = ("c",) + claim_row(p[1])
+            elif p[0] == "p":
+                row = ("p",) + claim_row(p[1]) + (p[3], p[4], number(("part", p[5])))
+            else:
+                row = ("o", p[1], tuple(memo[id(a)] for a in p[3]))
+            memo[id(p)] = len(rows)
+            rows.append(row)
+        node = self.logical.nodes.get(claim.logical)
+        args = () if node is None else tuple((number(a), self.klass(a)) for a in node.args)
+        self.numbers = numbers       # which number each tensor and part got (what a renaming maps)
+        order = self.logical.order
+        ranks = tuple(sorted((t for t in numbers if isinstance(t, str)), key=order.__getitem__))
+        return hashlib.sha256(TEMPLATE_VERSION + repr((rows, claim_row(claim), args,
+                                                       tuple(numbers[t] for t in ranks))).encode()).hexdigest()
+
+
+__all__ = ["Templates", "leaf", "part", "MAX_CONE", "TEMPLATE_VERSION"]
