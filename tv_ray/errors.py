@@ -85,6 +85,11 @@ class SimulationError(TvRayError):
     FIELDS = ("rank", "node")
 
 
+class ClaimsMissing(TvRayError):
+    """Symmetry failed during stage generation and the mirrored ranks have no claims of their own (only the
+    ranks that run their own program were given claims): `tv_ray.partition.derive` makes theirs and cuts again."""
+
+
 class CommunicationError(SimulationError):
     """The plan's communication cannot complete — a deadlock, mismatched collectives, a message of the wrong
     shape: the plan cannot compute the step at all, which the verifier reports as a refutation."""

@@ -206,7 +206,7 @@ class Plan:
     lineage: tuple[Lineage, ...]
     interior: tuple[Lineage, ...] = ()     # intermediate lineage: optional, proved like any claim, never assumed
     recipe: dict | None = None             # how the logical graph was captured from the built-in `model`, if it was
-    _cache: dict = field(default_factory=dict, compare=False, repr=False)
+    _cache: dict = field(default_factory=dict, init=False, compare=False, repr=False)  # not copied by replace
 
     # -- the mesh ----------------------------------------------------------------
     @property
@@ -232,9 +232,14 @@ class Plan:
         return self._cache["coords"]
 
     def coords(self, rank: int) -> dict[str, int]:
-        """The mesh coordinates of `rank`, in mesh order."""
-        self._check_rank(rank)
-        return dict(zip(self.axes, (int(c) for c in self.coord_table()[rank])))
+        """The mesh coordinates of `rank`, in mesh order (a new dict: the caller may change it)."""
+        table = self._cache.get("coord_dicts")
+        if table is None:
+            table = self._cache["coord_dicts"] = [dict(zip(self.axes, map(int, row))) for row in self.coord_table()]
+        if type(rank) is not int or not 0 <= rank < len(table):
+            self._check_rank(rank)
+            rank = int(rank)
+        return dict(table[rank])
 
     def rank_of(self, coords: Mapping[str, int]) -> int:
         """The rank at `coords` (every mesh axis given)."""
@@ -253,7 +258,14 @@ class Plan:
 
     def group(self, rank: int, axes: Iterable[str]) -> list[int]:
         """The ranks of `rank`'s group along `axes`, in group order (the first axis outermost)."""
-        axes = list(axes)
+        axes = tuple(axes)
+        groups = self._cache.setdefault("groups", {})
+        found = groups.get((rank, axes))
+        if found is None:
+            found = groups[rank, axes] = tuple(self._group(rank, axes))
+        return list(found)
+
+    def _group(self, rank: int, axes: tuple[str, ...]) -> list[int]:
         sizes = self.axis_sizes
         for axis in axes:
             if axis not in sizes:

@@ -14,6 +14,8 @@ from tv_ray.engine.driver import verify_plan
 from tv_ray.engine.executor import LocalExecutor
 from tv_ray.engine.solve import Budget
 from tv_ray.ir import Graph, Node
+from tv_ray.partition import generate
+from tv_ray.partition.derive import Settings, claims_for, derive, unmirrored
 from tv_ray.partition.generate import partition
 from tv_ray.partition.logical import LogicalTerms, atoms
 from tv_ray.partition.stages import Mirrored, SymbolicRun
@@ -176,3 +178,44 @@ def test_a_program_reading_its_dp_coordinate_is_not_mirrored(dp4):
     with pytest.raises(Asymmetric) as err:
         mirrors(with_program(plan, "main", graph), dims)
     assert str(err.value) == "program main op chunk_probe = local_chunk reads the dp coordinate"
+
+
+@pytest.fixture(scope="module")
+def dp4_unstated(dp4):
+    """The dp=4 plan without its intermediate lineage: its interior claims are matched by value."""
+    plan, dims, _ = dp4
+    plan = replace(plan, interior=())
+    return plan, dims, claims_for(plan, dims)[1]
+
+
+def test_only_the_ranks_that_run_their_own_program_are_matched_by_value(dp4_unstated):
+    plan, dims, every = dp4_unstated
+    found = mirrors(plan, dims)
+    runs, claims = claims_for(plan, dims, 0, unmirrored(plan, found))
+    inferred = lambda c: not (c.boundary or c.given)     # noqa: E731
+    assert sum(inferred(c) for (rank, _), c in every.items() if rank in found.rep) > 1000
+    assert not any(inferred(c) for (rank, _), c in claims.items() if rank in found.rep and not c.partial)
+    assert sum(inferred(c) for (rank, _), c in claims.items() if rank == 0) > 300
+    assert {k: c for k, c in every.items() if k[0] not in found.rep} == \
+        {k: c for k, c in claims.items() if k[0] not in found.rep}
+
+
+def test_symmetry_failing_mid_run_makes_the_mirrored_ranks_claims_and_runs_every_rank(dp4_unstated, monkeypatch):
+    """The mirrored ranks have no claims of their own; when symmetry fails during generation the derivation
+    makes them (from the same concrete runs) and every rank runs in full, cut as if unmirrored from the start."""
+    plan, dims, every = dp4_unstated
+    real = generate._run
+
+    def breaks_symmetry(plan_, dims_, claims, renamings, *rest):
+        if renamings.mirrors is not None:
+            raise Asymmetric("rank 1 h mixes mirrored and computed values", rank=1, node="h")
+        return real(plan_, dims_, claims, renamings, *rest)
+
+    monkeypatch.setattr(generate, "_run", breaks_symmetry)
+    derivation = derive(plan, Settings())
+    assert derivation.claims == every
+    assert "symmetry: rank 1 h mixes mirrored and computed values; every rank run in full" in \
+        derivation.partition.symmetry
+    full = partition(plan, dims, every, symmetry=False)
+    assert sorted((o.id, o.ranks, o.claim, o.reads) for o in derivation.partition.obligations) == \
+        sorted((o.id, o.ranks, o.claim, o.reads) for o in full.obligations)

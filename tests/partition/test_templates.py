@@ -139,3 +139,28 @@ def test_a_part_that_differs_is_refuted_where_it_differs(zero_plan, case):
     assert outcome.status == "refuted", outcome.problems[:3]
     first = outcome.first_refuted()
     assert where(first), (first.id, first.ranks, first.mb, first.module, first.phase)
+
+
+def test_an_op_that_reads_the_rank_coordinate_is_never_shared_across_ranks():
+    """local_chunk takes the rank's own chunk: two tp ranks whose stages are alike but for the coordinate are two
+    templates. The intermediate lineage of one chunked tensor mis-stated as chunk 0 on every tp rank is right on
+    tp rank 0 and wrong on tp rank 1: rank 1's claim alone is refuted and dropped (were the stages one template,
+    one verdict would stand for both — rank 0's claim dropped, or rank 1's wrong one kept as proved)."""
+    from dataclasses import replace
+    from tv_ray.engine.driver import verify_plan
+    from tv_ray.engine.executor import LocalExecutor
+    from tv_ray.engine.solve import Budget
+    from tv_ray.ir import Op
+    from tv_ray.plan import Fixed
+    plan = api.parallelize(api.capture_step("llama3-tiny"), "tp=2", model="llama3-tiny", sp=True)
+    chunked = {n.name for n in plan.programs["main"].nodes
+               if n.op == Op.LOCAL_CHUNK and tuple(n.attr["axes"]) == ("tp",)}
+    entry = next(e for e in plan.interior if e.tensor in chunked and e.slice)
+    wrong = replace(entry, slice=tuple((d, tuple(Fixed(0, 2) if f == "tp" else f for f in fs))
+                                       for d, fs in entry.slice))
+    mutant = replace(plan, interior=tuple(wrong if e is entry else e for e in plan.interior))
+    for templates in (True, False):
+        outcome = verify_plan(mutant, budget=Budget(solvers=("z3",)), executor=LocalExecutor(), progress=False,
+                              templates=templates)
+        assert outcome.status == "proved"
+        assert (0, entry.tensor) not in outcome.dropped and (1, entry.tensor) in outcome.dropped

@@ -105,7 +105,7 @@ def _with_token_split(plan, factors, **dims):
     index = next(i for i, entry in enumerate(plan.lineage) if entry.logical == "tokens")
     lineage = list(plan.lineage)
     lineage[index] = dataclasses.replace(lineage[index], slice=((0, factors),))
-    return index, dataclasses.replace(plan, lineage=tuple(lineage), dims={**plan.dims, **dims}, _cache={})
+    return index, dataclasses.replace(plan, lineage=tuple(lineage), dims={**plan.dims, **dims})
 
 
 def test_split_that_cannot_divide_the_full_dim_is_a_shape_error(llama_plan):

@@ -33,6 +33,7 @@ from tv_ray.semantics import run_graph
 from tv_ray.simulate import draw_inputs, rank_inputs
 
 RTOL = 1e-9
+ATOL = 1e-12
 INPUT_SCALE = 0.25
 
 
@@ -248,7 +249,11 @@ def candidates(value: np.ndarray, index: LogicalIndex) -> list[Claim]:
 
 
 def _equal(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.shape == b.shape and bool(np.allclose(a, b, rtol=RTOL, atol=1e-12))
+    """`np.allclose(a, b, rtol=RTOL, atol=ATOL)` (equal infinities close, NaN never) at a third of its cost."""
+    if a.shape != b.shape:
+        return False
+    with np.errstate(invalid="ignore"):
+        return bool(((np.abs(a - b) <= ATOL + RTOL * np.abs(b)) & np.isfinite(b) | (a == b)).all())
 
 
 class _Matcher:
@@ -285,15 +290,16 @@ class _Matcher:
 
 
 def infer_claims(plan: Plan, runs: list[ConcreteRun], fixed: dict[tuple[int, str], Claim],
-                 eligible: list[str]) -> dict[tuple[int, str], Claim]:
-    """Claims for every float tensor a rank produces: boundary ones as given, others matched by value."""
+                 eligible: list[str], ranks: np.ndarray | None = None) -> dict[tuple[int, str], Claim]:
+    """Claims for every float tensor a rank produces: boundary ones as given, others matched by value — on
+    `ranks` (a mask; None: all), and for the groups those ranks are in."""
     matcher = _Matcher(plan, runs, eligible)
     names, ids = plan.rank_programs()
     nodes: dict[str, dict[str, Node]] = {n: {node.name: node for node in plan.programs[n].nodes} for n in names}
     claims = dict(fixed)
     unmatched: list[tuple[int, str]] = []
     for rank, tensor in runs[0].order:
-        if (rank, tensor) in claims:
+        if (rank, tensor) in claims or (ranks is not None and not ranks[rank]):
             continue
         node = nodes[names[ids[rank]]][tensor]
         if node.dtype != "float" or tensor not in runs[0].ranks[rank]:

@@ -25,6 +25,7 @@ from typing import Iterable
 
 import numpy as np
 
+from tv_ray.errors import ClaimsMissing
 from tv_ray.partition.claims import (Claim, ConcreteRun, group_value, infer_claims, input_claims, interior_claims,
                                     output_claims, runs_for)
 from tv_ray.partition.generate import Generate, ops_of, partition
@@ -67,15 +68,25 @@ class Derivation:
     deviations: list[dict]                     # program outputs wrong in the concrete runs, largest first
     partition: Partition | None = None
     dropped: list[tuple[int, str]] = field(default_factory=list)
+    complete: bool = True                      # claims on every rank (else on the ranks that are not mirrored)
 
     def cut(self, progress: bool = False, generate: Generate | None = None, groups: int = 1) -> Partition:
         """The stages cut at the current claims (generated whole, or one pipeline stage per shard by `generate`
         in `groups` jobs)."""
         symmetry = self.settings.symmetry
-        self.partition = partition(self.plan, self.reduction.reduced, self.claims,
-                                   self.mirrors or (symmetry and not self.notes), progress=progress,
-                                   shards=self.settings.shards, generate=generate, groups=groups,
-                                   templates=self.settings.templates)
+
+        def cut() -> Partition:
+            return partition(self.plan, self.reduction.reduced, self.claims,
+                             self.mirrors or (symmetry and not self.notes), progress=progress,
+                             shards=self.settings.shards, generate=generate, groups=groups,
+                             templates=self.settings.templates, complete=self.complete)
+        try:
+            self.partition = cut()
+        except ClaimsMissing:         # symmetry failed mid-run: every rank runs in full, on claims of its own
+            claims = claims_for(self.plan, self.reduction.reduced, self.settings.seed, runs=self.runs)[1]
+            self.claims = {key: c for key, c in claims.items() if key not in set(self.dropped)}
+            self.complete = True
+            self.partition = cut()
         self.partition.symmetry = self.notes + self.partition.symmetry
         return self.partition
 
@@ -86,23 +97,25 @@ class Derivation:
                 self.dropped.append(tuple(key))
 
 
-def claims_for(plan: Plan, dims: dict[str, int], seed: int = 0, ranks: np.ndarray | None = None):
-    """The concrete runs and every claim (boundary lineage, intermediate lineage, then matched by value).
+def claims_for(plan: Plan, dims: dict[str, int], seed: int = 0, ranks: np.ndarray | None = None,
+               runs: list[ConcreteRun] | None = None):
+    """The concrete runs (`runs` when they were made already) and every claim (boundary lineage, intermediate
+    lineage, then matched by value on `ranks`, a mask: a mirrored rank's claims are its representative's,
+    moved, so it needs none of its own).
 
     A plan larger than `CONCRETE_LIMIT` op executions is not run concretely: its claims are its lineage
-    (boundary and intermediate) alone, made only on `ranks` (a mask; mirrored ranks take their
-    representative's), nothing is matched by value and no output is checked at a point — which changes only
-    where stages are cut, never what a proof needs."""
+    (boundary and intermediate) alone, made only on `ranks`, nothing is matched by value and no output is
+    checked at a point — which changes only where stages are cut, never what a proof needs."""
     if ops_of(plan, range(plan.num_ranks)) > CONCRETE_LIMIT:
         shapes = {s.name: instantiate_shape(s.shape, dims) for s in plan.logical.inputs}
         shapes |= {n.name: instantiate_shape(n.shape, dims) for n in plan.logical.nodes}
         return [], {**input_claims(plan, shapes, ranks), **interior_claims(plan, shapes, ranks),
                     **output_claims(plan, shapes, ranks)}
-    runs, input_claims_ = runs_for(plan, dims, seed)
+    runs = runs or runs_for(plan, dims, seed)[0]
     shapes = {name: value.shape for name, value in runs[0].logical.items()}
-    fixed = {**input_claims_, **interior_claims(plan, shapes), **output_claims(plan, shapes)}
+    fixed = {**input_claims(plan, shapes), **interior_claims(plan, shapes), **output_claims(plan, shapes)}
     eligible = [name for name, value in runs[0].logical.items() if value.dtype.kind == "f"]
-    return runs, infer_claims(plan, runs, fixed, eligible)
+    return runs, infer_claims(plan, runs, fixed, eligible, ranks)
 
 
 def unmirrored(plan: Plan, found: Mirrors | None) -> np.ndarray | None:
@@ -139,7 +152,8 @@ def derive_claims(plan: Plan, settings: Settings = Settings()) -> Derivation:
     reduction = reduce_plan(plan)
     found, notes = find_mirrors(plan, reduction.reduced, settings.symmetry)
     runs, claims = claims_for(plan, reduction.reduced, settings.seed, unmirrored(plan, found))
-    return Derivation(plan, settings, reduction, found, notes, runs, claims, output_deviations(plan, runs))
+    return Derivation(plan, settings, reduction, found, notes, runs, claims, output_deviations(plan, runs),
+                      complete=found is None)
 
 
 def derive(plan: Plan, settings: Settings = Settings(), dropped: Iterable[tuple[int, str]] = ()) -> Derivation:

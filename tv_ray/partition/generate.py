@@ -30,7 +30,7 @@ from typing import Callable, Iterable
 import numpy as np
 from tqdm import tqdm
 
-from tv_ray.errors import Asymmetric, TvRayError, Unshardable
+from tv_ray.errors import Asymmetric, ClaimsMissing, Unshardable
 from tv_ray.ir.ops import COLLECTIVES
 from tv_ray.partition.claims import Claim
 from tv_ray.partition.dag import depths, stage_dag
@@ -179,7 +179,8 @@ def merge(runs: list[ShardRun], mirrors: Mirrors | None = None, symmetry: list[s
 
 def partition(plan: Plan, dims: dict[str, int], claims: dict[tuple[int, str], Claim],
               symmetry: "bool | Mirrors" = True, progress: bool = False, shards: bool | None = None,
-              generate: Generate | None = None, groups: int = 1, templates: bool = True) -> Partition:
+              generate: Generate | None = None, groups: int = 1, templates: bool = True,
+              complete: bool = True) -> Partition:
     """Run the plan symbolically with cuts at `claims`; the obligations and the stage DAG.
 
     With `symmetry` (True, or the plan's `mirrors` already found), the logical graph is built for one block
@@ -191,7 +192,9 @@ def partition(plan: Plan, dims: dict[str, int], claims: dict[tuple[int, str], Cl
     `shards`: run one shard per pipeline stage (True), whole (False), or decide by size (None, `SHARD_MIN`);
     the shards go to `generate` in `groups` jobs (default: in this process, one job). With `progress`, a bar
     on stderr counts the ops stepped through (every rank's program), the stages and the unique keys.
-    `templates`: a stage whose template was seen takes that stage's key without its terms being built."""
+    `templates`: a stage whose template was seen takes that stage's key without its terms being built.
+    `complete`: `claims` hold every rank's claims (False: the mirrored ranks' are their representatives', and
+    where symmetry fails during the run, `ClaimsMissing` asks for theirs)."""
     found, notes = (symmetry, []) if isinstance(symmetry, Mirrors) else find_mirrors(plan, dims, symmetry)
     moves = microbatch_moves(plan, dims, found, bool(symmetry))
     blocks = moves.blocks if moves else found.blocks if found else None
@@ -206,9 +209,9 @@ def partition(plan: Plan, dims: dict[str, int], claims: dict[tuple[int, str], Cl
         except Asymmetric as why:
             notes.append(f"symmetry: {why}; every rank run in full")
             have = {r for r, _ in claims}
-            if found and any(rank not in have for rank in found.rep):
-                raise TvRayError(f"data-parallel symmetry failed during the run ({why}) and the claims of the "
-                                 f"mirrored ranks were never built; run with --no-symmetry") from None
+            if found and (not complete or any(rank not in have for rank in found.rep)):
+                raise ClaimsMissing(f"data-parallel symmetry failed during the run ({why}) and the claims of the "
+                                    f"mirrored ranks were never built; run with --no-symmetry") from None
             bar.reset()
             return _run(plan, dims, claims, Renamings(None, None, blocks, templates), logical, notes, split, bar,
                         generate, groups)

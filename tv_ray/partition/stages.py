@@ -678,7 +678,7 @@ class SymbolicRun(Scheduler):
             raise Unshardable(f"{self.plan.describe(src)} sends {tensor}, which fails there: {err}") from None
         if len(self.notes) != noted:
             raise Unshardable(f"{self.plan.describe(src)} sends {tensor}, which has no symbolic rule")
-        made = self.templates.op(node, [p for _, _, p in args]) \
+        made = self.templates.op(node, [p for _, _, p in args], self.ranks[src].ctx) \
             if self.templates is not None and isinstance(value, np.ndarray) else None
         return value, frozenset().union(*(r for _, r, _ in args)), made
 
@@ -701,7 +701,7 @@ class SymbolicRun(Scheduler):
             return None
         if node.op == Op.RECV:
             return self._received_provenance
-        return self.templates.op(node, [self.provenance.get((state.rank, a)) for a in node.args])
+        return self.templates.op(node, [self.provenance.get((state.rank, a)) for a in node.args], state.ctx)
 
     def _advance(self, state, node: Node, value) -> None:
         if isinstance(value, Mirrored) and state.rank not in self.mirrored:

@@ -4,7 +4,9 @@ A stage's formula — its physical ops applied to the values it read, against
 its claim's logical definition — is a function of
 
 - the physical ops since the last cuts: op, attributes and shapes at the
-  reduced dims (`Templates.signature`), and how they are wired;
+  reduced dims (`Templates.signature`), and how they are wired; an op that
+  reads the rank's mesh coordinate (`local_chunk`, `axis_index`) also the
+  rank's position on its axes — the one thing of the rank a program reads;
 - each value it read: the claim it continues from (its logical tensor, the
   slice's offsets and shape, the axes it is a partial sum over, and for a
   free part of a partial claim the member's position in its group and the
@@ -42,16 +44,17 @@ import hashlib
 
 import numpy as np
 
-from tv_ray.ir import Node
+from tv_ray.ir import Node, Op
 from tv_ray.partition.claims import Claim
 from tv_ray.partition.ids import StageId
 from tv_ray.partition.logical import LogicalTerms
-from tv_ray.semantics.table import instantiate_attrs, instantiate_shape
+from tv_ray.semantics.table import Context, instantiate_attrs, instantiate_shape
 from tv_ray.terms import Kind, Term
 from tv_ray.terms.atom import Atom
 
 MAX_CONE = 64          # physical ops since the last cuts beyond which a stage is not templated
-TEMPLATE_VERSION = b"tv-ray-template/1"
+COORDINATE_OPS = frozenset({Op.AXIS_INDEX, Op.LOCAL_CHUNK})   # their value is a function of the rank's coordinate
+TEMPLATE_VERSION = b"tv-ray-template/2"
 
 
 def leaf(claim: Claim) -> tuple:
@@ -85,12 +88,18 @@ class Templates:
                                                 tuple(instantiate_shape(node.shape, self.dims)), node.dtype)
         return sig
 
-    def op(self, node: Node, args: list) -> tuple | None:
-        """The provenance of an op's value from its arguments' (None when any is unknown or the cone is large)."""
+    def op(self, node: Node, args: list, ctx: Context) -> tuple | None:
+        """The provenance of an op's value from its arguments' (None when any is unknown or the cone is large);
+        an op that reads the rank's coordinate (`COORDINATE_OPS`) holds the rank's position on those axes."""
         if any(a is None for a in args):
             return None
         size = 1 + sum(a[2] for a in args)
-        return None if size > MAX_CONE else ("o", self.signature(node), size, tuple(args))
+        if size > MAX_CONE:
+            return None
+        sig = self.signature(node)
+        if node.op in COORDINATE_OPS:
+            sig = sig + (("at", ctx.group_position(node.attr["axes"])),)
+        return "o", sig, size, tuple(args)
 
     def klass(self, tensor: str) -> str:
         """A logical tensor as its atoms and definition show it: op, attributes, shape, dtype, its arguments'
@@ -160,4 +169,4 @@ class Templates:
                                                        tuple(numbers[t] for t in ranks))).encode()).hexdigest()
 
 
-__all__ = ["Templates", "leaf", "part", "MAX_CONE", "TEMPLATE_VERSION"]
+__all__ = ["Templates", "leaf", "part", "MAX_CONE", "COORDINATE_OPS", "TEMPLATE_VERSION"]
