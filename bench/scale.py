@@ -1,7 +1,7 @@
 """Stage generation at scale, with stage templates against without, side by side in one run.
 
-    python bench/scale.py [--configs "llama3-8b:32:dp=4,tp=8,pp=4,mb=8:512;..."] [--out bench/results/scale.json]
-                          [--modes templates,baseline] [--plot bench/results/scale.png]
+    python bench/scale.py [--configs "llama3-8b:32:dp=4,tp=8,pp=4,mb=8:512;..." | --sweep layers|tp|pp|dp|mb]
+                          [--out bench/results/scale.json] [--modes templates,baseline] [--plot bench/results/scale.png]
 
 A config is MODEL:LAYERS:SPEC:BATCH (LAYERS overrides the model's depth: the sweeps over 4, 8, 16, 32 layers).
 Each (config, mode) runs in its own child process (their peaks do not add up): capture and plan, the claims,
@@ -21,7 +21,21 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT = ";".join(f"llama3-8b:{layers}:dp=4,tp=8,pp=4,mb=8:32" for layers in (4, 8, 16, 32))
+BASE = {"dp": 4, "tp": 8, "pp": 4, "mb": 8}       # the sweeps' centre: llama3-8b, 8 layers, batch 32
+SWEEPS = {"layers": (4, 8, 16, 32), "tp": (1, 2, 4, 8), "pp": (1, 2, 4), "dp": (1, 2, 4, 8), "mb": (1, 2, 4, 8)}
+
+
+def sweep(name: str) -> str:
+    """The configs of one sweep around `BASE` (every other degree held)."""
+    def config(layers: int, degrees: dict) -> str:
+        spec = ",".join(f"{k}={v}" for k, v in degrees.items())
+        return f"llama3-8b:{layers}:{spec}:{degrees['dp'] * degrees['mb']}"   # a sample per microbatch and dp rank
+    if name == "layers":
+        return ";".join(config(n, BASE) for n in SWEEPS["layers"])
+    return ";".join(config(8, {**BASE, name: n}) for n in SWEEPS[name])
+
+
+DEFAULT = sweep("layers")
 
 
 def measure(model: str, layers: int, spec: str, batch: int, templates: bool) -> dict:
@@ -57,6 +71,7 @@ def measure(model: str, layers: int, spec: str, batch: int, templates: bool) -> 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--configs", default=DEFAULT)
+    parser.add_argument("--sweep", choices=sorted(SWEEPS), help="the configs of one sweep (instead of --configs)")
     parser.add_argument("--modes", default="templates,baseline")
     parser.add_argument("--out", default="bench/results/scale.json")
     parser.add_argument("--plot", default="")
@@ -69,7 +84,7 @@ def main() -> int:
     out = Path(args.out)
     rows = json.loads(out.read_text())["rows"] if out.exists() else []
     ok = True
-    for config in args.configs.split(";"):
+    for config in (sweep(args.sweep) if args.sweep else args.configs).split(";"):
         model, layers, spec, batch = config.split(":")
         got = {}
         for mode in args.modes.split(","):

@@ -19,6 +19,7 @@ from tv_ray.ir import Graph, Node, Op, describe
 from tv_ray.ir.ops import COLLECTIVES
 from tv_ray.plan import Plan
 from tv_ray.semantics import Context, eval_node, rule_for
+from tv_ray.semantics.interpret import instantiated
 from tv_ray.semantics.table import dtype_name, instantiate_shape
 
 TOKEN = np.zeros(0)   # the value of a send: nothing
@@ -62,6 +63,7 @@ class Scheduler:
         self.mailbox: dict[tuple, deque] = defaultdict(deque)          # (src, dst, tag) -> values
         self.handlers = {**{op: self._collective for op in COLLECTIVES}, Op.SEND: self._send, Op.RECV: self._recv}
         self.groups: dict[tuple, tuple[int, ...]] = {}
+        self._instantiated: dict[int, tuple[dict, tuple[int, ...]]] = {}    # id(node) -> its attrs and shape
 
     def run(self) -> list[dict[str, np.ndarray]]:
         """Run every rank to its end; each rank's outputs by output name."""
@@ -76,7 +78,10 @@ class Scheduler:
 
     # -- the value domain: concrete float64 here; the symbolic interpreter overrides these three
     def evaluate(self, state: "_Rank", node: Node, args: list[np.ndarray]) -> np.ndarray:
-        return eval_node(node, args, self.dims, state.ctx)
+        at = self._instantiated.get(id(node))            # nodes live in the plan, as long as the scheduler
+        if at is None:
+            at = self._instantiated[id(node)] = instantiated(node, self.dims)
+        return eval_node(node, args, self.dims, state.ctx, at)
 
     def evaluate_group(self, node: Node, members: tuple[int, ...], values: list[np.ndarray]) -> list[np.ndarray]:
         return rule_for(node.op, "group").group(values, node.attr)

@@ -99,9 +99,9 @@ class Derivation:
 
 def claims_for(plan: Plan, dims: dict[str, int], seed: int = 0, ranks: np.ndarray | None = None,
                runs: list[ConcreteRun] | None = None):
-    """The concrete runs (`runs` when they were made already) and every claim (boundary lineage, intermediate
-    lineage, then matched by value on `ranks`, a mask: a mirrored rank's claims are its representative's,
-    moved, so it needs none of its own).
+    """The concrete runs (`runs` when they were made already) and the claims of `ranks` (a mask; None: every
+    rank) — boundary lineage, intermediate lineage, then matched by value: a mirrored rank's claims are its
+    representative's, moved, so it needs none of its own.
 
     A plan larger than `CONCRETE_LIMIT` op executions is not run concretely: its claims are its lineage
     (boundary and intermediate) alone, made only on `ranks`, nothing is matched by value and no output is
@@ -113,7 +113,8 @@ def claims_for(plan: Plan, dims: dict[str, int], seed: int = 0, ranks: np.ndarra
                     **output_claims(plan, shapes, ranks)}
     runs = runs or runs_for(plan, dims, seed)[0]
     shapes = {name: value.shape for name, value in runs[0].logical.items()}
-    fixed = {**input_claims(plan, shapes), **interior_claims(plan, shapes), **output_claims(plan, shapes)}
+    fixed = {**input_claims(plan, shapes, ranks), **interior_claims(plan, shapes, ranks),
+             **output_claims(plan, shapes, ranks)}
     eligible = [name for name, value in runs[0].logical.items() if value.dtype.kind == "f"]
     return runs, infer_claims(plan, runs, fixed, eligible, ranks)
 

@@ -19,17 +19,18 @@ from tv_ray.semantics.shapes import fmt
 from tv_ray.semantics.table import Context, instantiate_attrs, instantiate_shape, numpy_dtype, rule_for
 
 
-def eval_node(node: Node, args: list[np.ndarray], dims: Dims, ctx: Context = Context()) -> np.ndarray:
-    """Run one node on concrete arrays; the result must have the node's stated shape and dtype.
+def eval_node(node: Node, args: list[np.ndarray], dims: Dims, ctx: Context = Context(),
+              at: tuple[dict, tuple[int, ...]] | None = None) -> np.ndarray:
+    """Run one node on concrete arrays; the result must have the node's stated shape and dtype. `at`: the
+    node's attributes and shape at `dims` (`instantiated`), when the caller keeps them.
 
     Example: ``eval_node(Node.make("y", "neg", ["x"], shape=[2]), [np.ones(2)], {})`` is ``[-1., -1.]``.
     """
     if node.op in COMMUNICATION:
         raise SimulationError(f"{describe(node)}: communication needs every rank of the group; "
                               f"run the plan with the plan simulator", node=node.name)
-    concrete = rule_for(node.op, "concrete").concrete
-    out = np.asarray(concrete(list(args), instantiate_attrs(node, dims), ctx))
-    stated = instantiate_shape(node.shape, dims)
+    attrs, stated = at or instantiated(node, dims)
+    out = np.asarray(rule_for(node.op, "concrete").concrete(list(args), attrs, ctx))
     if out.shape != stated:
         raise ShapeError(f"node {describe(node)}: the result has shape {fmt(out.shape)} but the node "
                          f"states {fmt(stated)}; fix the stated shape or the inputs", node=node.name)
@@ -37,6 +38,11 @@ def eval_node(node: Node, args: list[np.ndarray], dims: Dims, ctx: Context = Con
         raise GraphError(f"node {describe(node)}: the result has dtype {out.dtype} but the node states "
                          f"{node.dtype}; fix the stated dtype", node=node.name)
     return out
+
+
+def instantiated(node: Node, dims: Dims) -> tuple[dict, tuple[int, ...]]:
+    """A node's attributes and stated shape at `dims`."""
+    return instantiate_attrs(node, dims), instantiate_shape(node.shape, dims)
 
 
 def _last_reads(graph: Graph) -> dict[str, int]:
