@@ -73,7 +73,8 @@ def _load(out: Path) -> tuple[dict, Path]:
     except json.JSONDecodeError as e:
         raise CertificateError(f"{path}: not JSON ({e}); the manifest was damaged")
     if manifest.get("format") != FORMAT:
-        raise CertificateError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+        raise CertificateError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r} (another tv_ray "
+                               f"version's keys and stages: verify the plan again with this one)")
     if manifest_digest(manifest) != manifest.get("manifest_sha256"):
         raise CertificateError(f"{path}: manifest_sha256 does not match the manifest's content; "
                                f"the manifest was edited after verification")

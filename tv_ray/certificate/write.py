@@ -36,7 +36,7 @@ import pyarrow.parquet as pq
 
 from tv_ray.certificate.outcome import Outcome, Status
 
-FORMAT = "tv-ray-certificate/1"
+FORMAT = "tv-ray-certificate/2"    # /2: keys number tensors in logical order (tv-ray-key/3), stage templates
 MANIFEST = "certificate.json"
 TABLE = "obligations.parquet"
 PLAN = "plan.json"

@@ -84,7 +84,8 @@ class Derivation:
             self.partition = cut()
         except ClaimsMissing:         # symmetry failed mid-run: every rank runs in full, on claims of its own
             claims = claims_for(self.plan, self.reduction.reduced, self.settings.seed, runs=self.runs)[1]
-            self.claims = {key: c for key, c in claims.items() if key not in set(self.dropped)}
+            dropped = set(self.dropped)
+            self.claims = {key: c for key, c in claims.items() if key not in dropped}
             self.complete = True
             self.partition = cut()
         self.partition.symmetry = self.notes + self.partition.symmetry
