@@ -60,12 +60,16 @@ def slowed(seconds: float):
 
 
 def cli_slowed(seconds: float, argv: list[str]) -> int:
-    """`tv-ray` with the Ray engine's solver actors `slowed`, and a cluster given up for lost after 3 s of
-    refusals (not 10)."""
+    """`tv-ray` with every key's solve `slowed` (the Ray engine's solver actors, or the local engine in this
+    process), and a cluster given up for lost after 3 s of refusals (not 10)."""
     from tv_ray import cli
     from tv_ray.engine import executor, ray_executor
 
     def executor_for(engine, jobs=None, address=None):
+        if engine == "local":
+            assert not jobs or jobs == 1, jobs
+            executor.solve_batch = slowed(seconds)       # what LocalExecutor.run calls in this process
+            return executor.LocalExecutor()
         assert engine == "ray", engine
         return ray_executor.RayExecutor(actors=jobs, address=address, solve=slowed(seconds))
     executor.executor_for = executor_for
