@@ -103,6 +103,37 @@ def test_ctrl_c_ends_with_130_and_the_resume_command_not_a_traceback(tmp_path):
                         f"continue with `tv-ray verify --resume {out}`\n")
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")    # the drop, on purpose
+def test_a_ctrl_c_python_drops_in_a_weakref_callback_is_raised_again():
+    """Python drops an exception raised inside a weakref callback: a Ctrl-C landing there is remembered by
+    `Interrupts` and raised at its `check` (the verify command checks before it saves)."""
+    import weakref
+    from tv_ray.commands import Interrupts
+
+    class Value:
+        pass
+
+    def callback(_ref):
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(100_000):      # the handler runs here, inside the callback: its exception is dropped
+            pass
+
+    dropped = True
+    with Interrupts() as interrupts:
+        value = Value()
+        ref = weakref.ref(value, callback)
+        try:
+            del value
+            for _ in range(100_000):
+                pass
+        except KeyboardInterrupt:     # (had it reached this frame instead, nothing would have been lost)
+            dropped = False
+        assert dropped and ref() is None and interrupts.seen
+        with pytest.raises(KeyboardInterrupt):
+            interrupts.check()
+    assert signal.getsignal(signal.SIGINT) != interrupts._interrupted        # the previous handler is back
+
+
 def _descendants(pid: int) -> list[list[str]]:
     """The command lines of every process below `pid`."""
     parent: dict[int, int] = {}

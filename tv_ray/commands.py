@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -105,6 +107,30 @@ def add_model_flags(parser: argparse.ArgumentParser, *, required: bool) -> None:
                         help="override model dims, e.g. batch=2048,seq=4096 (default: the model's own)")
 
 
+class Interrupts:
+    """Ctrl-C raises KeyboardInterrupt, as Python's own handler does, and is remembered: Python drops an
+    exception raised inside a weakref callback or `__del__` (the term table's are hot: `tv_ray.terms.term`),
+    so a Ctrl-C landing there would be lost and the run go on to its end; `check` raises it again."""
+
+    def __enter__(self) -> "Interrupts":
+        self.seen, self.previous = False, None
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGINT, self._interrupted)
+        return self
+
+    def _interrupted(self, signum, frame):
+        self.seen = True
+        raise KeyboardInterrupt
+
+    def check(self) -> None:
+        if self.seen:
+            raise KeyboardInterrupt
+
+    def __exit__(self, *exc) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     from tv_ray.api import verify
     from tv_ray.diagnose import explain
@@ -136,15 +162,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return 2
     started = time.perf_counter()
     try:
-        result = verify(args.plan or args.model, args.parallel, optim=args.optim, clip=args.clip, sp=args.sp,
-                        zero=args.zero, dims=parse_dims(args.dims) or None, tied=args.tied,
-                        solvers=args.solvers, timeout=args.timeout,
-                        jobs=args.jobs, progress=False if args.quiet else None, seed=args.seed,
-                        symmetry=not args.no_symmetry, templates=not args.no_templates, engine=args.engine,
-                        address=args.address,
-                        checkpoint=args.output, resume=args.resume is not None,
-                        shards={"auto": None, "on": True, "off": False}[args.shards])
-        written = result.save(args.output)
+        with Interrupts() as interrupts:
+            result = verify(args.plan or args.model, args.parallel, optim=args.optim, clip=args.clip, sp=args.sp,
+                            zero=args.zero, dims=parse_dims(args.dims) or None, tied=args.tied,
+                            solvers=args.solvers, timeout=args.timeout,
+                            jobs=args.jobs, progress=False if args.quiet else None, seed=args.seed,
+                            symmetry=not args.no_symmetry, templates=not args.no_templates, engine=args.engine,
+                            address=args.address,
+                            checkpoint=args.output, resume=args.resume is not None,
+                            shards={"auto": None, "on": True, "off": False}[args.shards])
+            interrupts.check()
+            written = result.save(args.output)
     except KeyboardInterrupt:
         _stop_ray()
         print("tv-ray verify: interrupted", file=sys.stderr)
@@ -188,9 +216,11 @@ def _stop_ray() -> None:
 def cmd_check(args: argparse.Namespace) -> int:
     from tv_ray.certificate import check_certificate
     try:
-        report = check_certificate(args.out, sample=args.sample, solvers=args.solvers, timeout_s=args.timeout,
-                                   allow_same_method=args.allow_same_method,
-                                   progress=False if args.quiet else None)
+        with Interrupts() as interrupts:
+            report = check_certificate(args.out, sample=args.sample, solvers=args.solvers, timeout_s=args.timeout,
+                                       allow_same_method=args.allow_same_method,
+                                       progress=False if args.quiet else None)
+            interrupts.check()
     except CertificateError as err:
         print(f"tv-ray check: FAILED: {_one_line(err)}", file=sys.stderr)
         return 1
