@@ -1,14 +1,17 @@
-"""Stage generation at scale, with stage templates against without, side by side in one run.
+"""Stage generation at scale, today's generator against one without a renaming, side by side in one run.
 
     python bench/scale.py [--configs "llama3-8b:32:dp=4,tp=8,pp=4,mb=8:512;..." | --sweep layers|tp|pp|dp|mb]
-                          [--out bench/results/scale.json] [--modes templates,baseline] [--plot bench/results/scale.png]
+                          [--out bench/results/scale.json] [--modes templates,baseline|stepped]
+                          [--plot bench/results/scale.png]
 
 A config is MODEL:LAYERS:SPEC:BATCH (LAYERS overrides the model's depth: the sweeps over 4, 8, 16, 32 layers).
 Each (config, mode) runs in its own child process (their peaks do not add up): capture and plan, the claims,
 then the stages (`partition`, one process, whole: `--shards off`), AdamW and clipping on. Per row: wall seconds
 per phase, peak RSS, stages (obligations), stages keyed by template without being built, unique keys, and
-a digest of the stages (id, ranks, reads, claim) that must be the same in both modes. `baseline` is
-`templates=False`: every stage's formula built, as before templates.
+a digest of the stages (id, ranks, reads, claim) that must be the same in every mode. `templates` is today's
+generator (stage templates, mirrored dp ranks stood in for); `baseline` is `templates=False`: every stage's
+formula built, as before templates; `stepped` steps every mirrored rank (`virtual=False`), as before stand-ins.
+The first mode is compared with each other one (`side_by_side`).
 """
 from __future__ import annotations
 
@@ -38,7 +41,11 @@ def sweep(name: str) -> str:
 DEFAULT = sweep("layers")
 
 
-def measure(model: str, layers: int, spec: str, batch: int, templates: bool) -> dict:
+MODES = {"templates": {"templates": True, "virtual": True}, "baseline": {"templates": False, "virtual": True},
+         "stepped": {"templates": True, "virtual": False}}
+
+
+def measure(model: str, layers: int, spec: str, batch: int, mode: str) -> dict:
     import tv_ray
     from tv_ray.models import get
     from tv_ray.partition.derive import claims_for, unmirrored
@@ -54,14 +61,15 @@ def measure(model: str, layers: int, spec: str, batch: int, templates: bool) -> 
     found, notes = find_mirrors(plan, dims, True)
     claims = claims_for(plan, dims, 0, unmirrored(plan, found))[1]
     claimed = time.perf_counter()
-    part = partition(plan, dims, claims, found or not notes, shards=False, templates=templates)
+    part = partition(plan, dims, claims, found or not notes, shards=False, **MODES[mode])
     done = time.perf_counter()
     h = hashlib.sha256()
-    for o in sorted(part.obligations, key=lambda o: str(o.id)):
-        h.update(f"{o.id}|{o.ranks}|{[str(r) for r in o.reads]}|{o.claim}\n".encode())
+    for o in sorted(part.every(), key=lambda o: str(o.id)):
+        h.update(f"{o.id}|{o.ranks}|{[str(r) for r in o.reads]}|{o.claim}|{o.key}\n".encode())
     return {"model": model, "layers": layers, "parallel": spec, "batch": batch, "ranks": plan.num_ranks,
-            "templates": templates, "ops": ops_of(plan, range(plan.num_ranks)), "stages": part.size,
-            "recorded": len(part.obligations), "templated": part.templated, "unique": len(part.formulas),
+            "templates": MODES[mode]["templates"], "mode": mode, "ops": ops_of(plan, range(plan.num_ranks)),
+            "stages": part.size, "recorded": len(part.obligations), "templated": part.templated,
+            "stood_in": part.stood_in, "unique": len(part.formulas),
             "seconds": {"plan": round(planned - started, 1), "claims": round(claimed - planned, 1),
                         "stages": round(done - claimed, 1)},
             "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20, 2),
@@ -79,7 +87,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.child:
         model, layers, spec, batch, mode = args.child
-        print(json.dumps(measure(model, int(layers), spec, int(batch), mode == "templates")), flush=True)
+        print(json.dumps(measure(model, int(layers), spec, int(batch), mode)), flush=True)
         return 0
     out = Path(args.out)
     rows = json.loads(out.read_text())["rows"] if out.exists() else []
@@ -96,35 +104,50 @@ def main() -> int:
                 continue
             got[mode] = json.loads(child.stdout.strip().splitlines()[-1])
             print(json.dumps(got[mode]), flush=True)
-        if len(got) == 2:
-            t, b = got["templates"], got["baseline"]
-            ok = ok and t["digest"] == b["digest"]
-            t["side_by_side"] = {"baseline_stages_s": b["seconds"]["stages"],
-                                 "speedup": round(b["seconds"]["stages"] / max(t["seconds"]["stages"], 1e-9), 2),
-                                 "same_stages": t["digest"] == b["digest"], "baseline_unique": b["unique"],
-                                 "baseline_peak_rss_gib": b["peak_rss_gib"]}
+        first, *others = args.modes.split(",")
+        for other in others:
+            if first in got and other in got:
+                t, b = got[first], got[other]
+                ok = ok and t["digest"] == b["digest"]
+                t.setdefault("side_by_side", {})[other] = {
+                    "stages_s": b["seconds"]["stages"], "same_stages": t["digest"] == b["digest"],
+                    "speedup": round(b["seconds"]["stages"] / max(t["seconds"]["stages"], 1e-9), 2),
+                    "unique": b["unique"], "peak_rss_gib": b["peak_rss_gib"]}
         for row in got.values():
-            rows = [r for r in rows if (r["model"], r["layers"], r["parallel"], r["batch"], r["templates"]) !=
-                    (row["model"], row["layers"], row["parallel"], row["batch"], row["templates"])] + [row]
+            rows = [r for r in rows if _config(r) != _config(row)] + [row]
         out.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
     if args.plot:
         plot(rows, args.plot)
     return 0 if ok else 1
 
 
+def _config(row: dict) -> tuple:
+    mode = row.get("mode", "templates" if row["templates"] else "baseline")
+    return row["model"], row["layers"], row["parallel"], row["batch"], mode
+
+
 def plot(rows: list[dict], path: str) -> None:
+    """Stage generation against layers (templates vs baseline) and against dp (stand-ins vs stepped)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for templates in (True, False):
-        pts = sorted((r["layers"], r["seconds"]["stages"]) for r in rows if r["templates"] == templates
-                     and r["parallel"] == "dp=4,tp=8,pp=4,mb=8")
+    fig, (by_layers, by_dp) = plt.subplots(1, 2, figsize=(11, 4))
+    labels = {"templates": "today", "baseline": "every stage built", "stepped": "mirrored ranks stepped"}
+    for mode in ("templates", "baseline"):
+        pts = sorted((r["layers"], r["seconds"]["stages"]) for r in rows
+                     if _config(r)[4] == mode and r["parallel"] == "dp=4,tp=8,pp=4,mb=8")
         if pts:
-            ax.plot(*zip(*pts), marker="o", label="templates" if templates else "baseline (every stage built)")
-    ax.set_xlabel("layers (llama3-8b, dp=4,tp=8,pp=4,mb=8)")
-    ax.set_ylabel("stage generation (s)")
-    ax.legend()
+            by_layers.plot(*zip(*pts), marker="o", label=labels[mode])
+    for mode in ("templates", "stepped"):
+        pts = sorted((int(r["parallel"].split(",")[0][3:]), r["seconds"]["stages"]) for r in rows
+                     if _config(r)[4] == mode and r["layers"] == 4 and r["parallel"].endswith(",tp=8,pp=4,mb=8"))
+        if pts:
+            by_dp.plot(*zip(*pts), marker="o", label=labels[mode])
+    by_layers.set_xlabel("layers (llama3-8b, dp=4,tp=8,pp=4,mb=8)")
+    by_dp.set_xlabel("dp (llama3-8b, 4 layers, tp=8,pp=4,mb=8, a sample per dp rank and microbatch)")
+    for ax in (by_layers, by_dp):
+        ax.set_ylabel("stage generation (s)")
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -59,6 +59,7 @@ class Scheduler:
         self.ranks = [_Rank(r, names[ids[r]], plan.programs[names[ids[r]]], rank_inputs[r],
                             Context(plan.axis_sizes, plan.coords(r))) for r in range(plan.num_ranks)]
         self.active = self.ranks        # the ranks `run` steps (a symbolic run may own a subset)
+        self.virtual: frozenset[int] = frozenset()     # ranks never stepped: `stand_in` gives their collectives' inputs
         self.arrived: dict[tuple, dict[int, np.ndarray]] = {}          # (group, k) -> rank -> input
         self.mailbox: dict[tuple, deque] = defaultdict(deque)          # (src, dst, tag) -> values
         self.handlers = {**{op: self._collective for op in COLLECTIVES}, Op.SEND: self._send, Op.RECV: self._recv}
@@ -85,6 +86,13 @@ class Scheduler:
 
     def evaluate_group(self, node: Node, members: tuple[int, ...], values: list[np.ndarray]) -> list[np.ndarray]:
         return rule_for(node.op, "group").group(values, node.attr)
+
+    def stand_in(self, node: Node, members: tuple[int, ...], rank: int, arrived: dict[int, np.ndarray]):
+        """The input to a collective of a rank that is never stepped (`virtual`), from the inputs that arrived."""
+        raise NotImplementedError(f"rank {rank} is never stepped, and nothing stands in for it")
+
+    def stood_in(self, node: Node, rank: int, value) -> None:
+        """A collective's result for a rank that is never stepped (before any stepped member advances)."""
 
     def send_extra(self, state: "_Rank", node: Node):
         """What travels with a sent value besides the value (nothing here)."""
@@ -150,10 +158,11 @@ class Scheduler:
                 f"{_op_text(first.program.nodes[first.pc])}, {self.plan.describe(state.rank)} runs "
                 f"{state.where()} {_op_text(node)}", rank=state.rank, node=node.name)
         arrived[state.rank] = state.env[node.args[0]]
-        if len(arrived) < len(members):
+        if len(arrived) < len(members) and any(m not in arrived and m not in self.virtual for m in members):
             return False
         try:
-            results = self.evaluate_group(node, members, [arrived[m] for m in members])
+            values = [arrived[m] if m in arrived else self.stand_in(node, members, m, arrived) for m in members]
+            results = self.evaluate_group(node, members, values)
         except Asymmetric:
             raise   # as in _compute
         except (TvRayError, ValueError) as err:
@@ -161,6 +170,11 @@ class Scheduler:
                                   rank=state.rank, node=node.name) from err
         del self.arrived[slot]
         for member, value in zip(members, results):
+            if member in self.virtual:
+                self.stood_in(node, member, value)
+        for member, value in zip(members, results):
+            if member in self.virtual:
+                continue
             peer = self.ranks[member]
             stated = instantiate_shape(peer.program.nodes[peer.pc].shape, self.dims)
             if value.shape != stated:

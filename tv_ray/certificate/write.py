@@ -36,7 +36,7 @@ import pyarrow.parquet as pq
 
 from tv_ray.certificate.outcome import Outcome, Status
 
-FORMAT = "tv-ray-certificate/2"    # /2: keys number tensors in logical order (tv-ray-key/3), stage templates
+FORMAT = "tv-ray-certificate/3"    # /3: mirrored stages in stand-in order; /2: keys in logical order, templates
 MANIFEST = "certificate.json"
 TABLE = "obligations.parquet"
 PLAN = "plan.json"
@@ -181,7 +181,7 @@ def write_certificate(outcome: Outcome, out: str | Path, plan_path: str | Path |
         "counts": outcome.counts(),
         "tiers": outcome.tiers(),
         "symmetry": {"mirrored": part.mirrored, "moved": part.moved, "accumulated": part.accumulated,
-                     "templated": part.templated, "notes": part.symmetry},
+                     "templated": part.templated, "stood_in": part.stood_in, "notes": part.symmetry},
         "stage_dag": {"stages": part.dag.number_of_nodes() - len(part.boundary), "boundary": len(part.boundary),
                       "edges": part.dag.number_of_edges(), "shards": part.shards},
         "composition": {"checked": True, "problems": outcome.problems,

@@ -23,7 +23,7 @@ certificate records the shard count, so its checker re-derives the same stages.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from typing import Callable, Iterable
 
@@ -103,18 +103,20 @@ def pipeline_shards(plan: Plan, claims: dict[tuple[int, str], Claim]) -> list[fr
 
 @dataclass(frozen=True)
 class Renamings:
-    """The renamings a generation uses: dp mirrors, microbatch moves, the blocks of samples the logical graph is
-    built for, and stage templates (`tv_ray.partition.templates`)."""
+    """The renamings a generation uses: dp mirrors (`virtual`: stood in for, never stepped,
+    `tv_ray.partition.standins`), microbatch moves, the blocks of samples the logical graph is built for, and
+    stage templates (`tv_ray.partition.templates`)."""
 
     mirrors: Mirrors | None = None
     moves: Moves | None = None
     blocks: Blocks | None = None
     templates: bool = True
+    virtual: bool = True
 
     def run(self, plan: Plan, dims: dict[str, int], logical: LogicalTerms, claims, bar=None,
             owned: frozenset[int] | None = None) -> SymbolicRun:
         run = SymbolicRun(plan, dims, logical, claims, self.mirrors, self.moves, bar, owned=owned,
-                          templates=self.templates)
+                          templates=self.templates, virtual=self.virtual)
         run.run()
         return run
 
@@ -180,7 +182,7 @@ def merge(runs: list[ShardRun], mirrors: Mirrors | None = None, symmetry: list[s
 def partition(plan: Plan, dims: dict[str, int], claims: dict[tuple[int, str], Claim],
               symmetry: "bool | Mirrors" = True, progress: bool = False, shards: bool | None = None,
               generate: Generate | None = None, groups: int = 1, templates: bool = True,
-              complete: bool = True) -> Partition:
+              complete: bool = True, virtual: bool = True) -> Partition:
     """Run the plan symbolically with cuts at `claims`; the obligations and the stage DAG.
 
     With `symmetry` (True, or the plan's `mirrors` already found), the logical graph is built for one block
@@ -193,6 +195,8 @@ def partition(plan: Plan, dims: dict[str, int], claims: dict[tuple[int, str], Cl
     the shards go to `generate` in `groups` jobs (default: in this process, one job). With `progress`, a bar
     on stderr counts the ops stepped through (every rank's program), the stages and the unique keys.
     `templates`: a stage whose template was seen takes that stage's key without its terms being built.
+    `virtual`: mirrored ranks are stood in for, never stepped (`tv_ray.partition.standins`; where that ends in
+    `Asymmetric`, they are stepped — the same stages).
     `complete`: `claims` hold every rank's claims (False: the mirrored ranks' are their representatives', and
     where symmetry fails during the run, `ClaimsMissing` asks for theirs)."""
     found, notes = (symmetry, []) if isinstance(symmetry, Mirrors) else find_mirrors(plan, dims, symmetry)
@@ -202,10 +206,19 @@ def partition(plan: Plan, dims: dict[str, int], claims: dict[tuple[int, str], Cl
     split = pipeline_shards(plan, claims) if shards or (shards is None and total >= SHARD_MIN) else None
     logical = cache(lambda: LogicalTerms.build(plan.logical, dims, blocks))   # built here once, if needed here
     bar = tqdm(total=total, disable=not progress, unit="op", desc="generating", file=sys.stderr, dynamic_ncols=True)
+    renamings = Renamings(found, moves, blocks, templates, virtual and found is not None and not found.notes)
     try:
         try:
-            return _run(plan, dims, claims, Renamings(found, moves, blocks, templates), logical, notes, split, bar,
-                        generate, groups)
+            try:
+                part = _run(plan, dims, claims, renamings, logical, notes, split, bar, generate, groups)
+                part.stood_in = len(found.rep) if renamings.virtual else 0
+                return part
+            except Asymmetric:
+                if not renamings.virtual:
+                    raise
+                bar.reset()            # the mirrors could not be stood in for: step them
+                return _run(plan, dims, claims, replace(renamings, virtual=False), logical, notes, split, bar,
+                            generate, groups)
         except Asymmetric as why:
             notes.append(f"symmetry: {why}; every rank run in full")
             have = {r for r, _ in claims}

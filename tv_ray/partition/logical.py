@@ -59,6 +59,7 @@ class LogicalTerms:
     blocks: Blocks | None = None
     contribution: dict[str, np.ndarray] = field(default_factory=dict)   # block 0's part of a contribution sum
     _varying: set[str] = field(default_factory=set)
+    _contributions: dict[tuple, np.ndarray] = field(default_factory=dict)
 
     @staticmethod
     def build(graph: Graph, dims: dict[str, int], blocks: Blocks | None = None) -> "LogicalTerms":
@@ -139,7 +140,15 @@ class LogicalTerms:
         return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=tag.dim)
 
     def contribution_of(self, name: str, slices: tuple, width: int) -> np.ndarray:
-        """The part of a contribution sum that blocks [0, width) make: block 0's, plus its renamings."""
+        """The part of a contribution sum that blocks [0, width) make: block 0's, plus its renamings (built once
+        per slice: a group's parts and its stage read the same)."""
+        at = (name, tuple((s.start, s.stop, s.step) if isinstance(s, slice) else s for s in slices), width)
+        found = self._contributions.get(at)
+        if found is None:
+            found = self._contributions[at] = self._contribution_of(name, slices, width)
+        return found
+
+    def _contribution_of(self, name: str, slices: tuple, width: int) -> np.ndarray:
         part = self.contribution[name][slices]
         out = np.empty(part.shape, dtype=object)
         renamed = [part] + [self.blocks.rename(part, b) for b in range(1, width)]

@@ -48,6 +48,7 @@ from tv_ray.partition.claims import Claim
 from tv_ray.partition.keys import content_digests, formula_key
 from tv_ray.partition.logical import LogicalTerms, atoms
 from tv_ray.partition.ids import Part, StageId
+from tv_ray.partition.standins import Mirrored, StandIns, constant
 from tv_ray.partition.symmetry import Mirrors, Moves
 from tv_ray.partition.templates import Templates, leaf, part
 from tv_ray.plan import Plan
@@ -106,6 +107,7 @@ class Partition:
     accumulated: int = 0            # gradient accumulation stages proved as microbatch 0's contribution
     shards: int = 0                 # pipeline shards the stages were generated in (0: one run)
     templated: int = 0              # stages keyed from their template, their terms never built
+    stood_in: int = 0               # mirrored ranks never stepped (`tv_ray.partition.standins`)
 
     @property
     def mirrored(self) -> int:
@@ -148,16 +150,6 @@ class Partition:
         for i, n in zip(*np.unique(self.copy_of, return_counts=True)):
             counts[self.obligations[i].key] += int(n)
         return counts
-
-
-class Mirrored:
-    """The value a mirrored rank holds, never computed: its representative's renamed (or, `same`, its
-    representative's exactly — the result of a collective both took part in)."""
-
-    __slots__ = ("shape", "same")
-
-    def __init__(self, shape: tuple[int, ...], same: bool = False):
-        self.shape, self.same = shape, same
 
 
 class Moved:
@@ -205,7 +197,7 @@ def _digest(value: np.ndarray) -> tuple:
                                                 for t in flat)).hexdigest()
 
 
-class SymbolicRun(Scheduler):
+class SymbolicRun(StandIns, Scheduler):
     """The scheduler on object arrays of terms, cutting at claims and recording obligations.
 
     With `mirrors`, a mirrored rank (`tv_ray.partition.symmetry`) steps
@@ -236,7 +228,8 @@ class SymbolicRun(Scheduler):
 
     def __init__(self, plan: Plan, dims: dict[str, int], logical: LogicalTerms,
                  claims: dict[tuple[int, str], Claim], mirrors: Mirrors | None = None, moves: Moves | None = None,
-                 bar: tqdm | None = None, owned: frozenset[int] | None = None, templates: bool = True):
+                 bar: tqdm | None = None, owned: frozenset[int] | None = None, templates: bool = True,
+                 virtual: bool = False):
         self.logical, self.claims, self.mirrors, self.moves, self.bar = logical, claims, mirrors, moves, bar
         # each value's provenance (`tv_ray.partition.templates`): what a stage's descriptor is made of
         self.templates = Templates(logical, dims) if templates else None
@@ -278,6 +271,7 @@ class SymbolicRun(Scheduler):
         super().__init__(plan, dims, rank_inputs, keep=False)
         if owned is not None:
             self.active = [self.ranks[r] for r in sorted(owned)]
+        self._stand_in_for(virtual)     # `tv_ray.partition.standins`: mirrored ranks never stepped
         self._nodes = {name: {n.name: n for n in g.nodes} for name, g in plan.programs.items()}
 
     def run(self):
@@ -335,8 +329,8 @@ class SymbolicRun(Scheduler):
         if mirrored or (state.rank in self.mirrored and not args):
             same = {a.same for a in mirrored}
             # a computed constant is every rank's value: the same function of arbitrary parts, so constant
-            constant = all(isinstance(a, Mirrored) or _constant(a) for a in args)
-            if state.rank not in self.mirrored or not constant or len(same) > 1 or (same == {True} and
+            constants = all(isinstance(a, Mirrored) or constant(a) for a in args)
+            if state.rank not in self.mirrored or not constants or len(same) > 1 or (same == {True} and
                                                                                   len(mirrored) != len(args)):
                 raise Asymmetric(f"{self.plan.describe(state.rank)} {node.name} mixes mirrored and computed values "
                                  f"({', '.join(f'{n}: {_kind(a)}' for n, a in zip(node.args, args))})")
@@ -356,9 +350,8 @@ class SymbolicRun(Scheduler):
             return np.full(shape, 0, dtype=object)
 
     def evaluate_group(self, node: Node, members, values):
-        self._group_sources = frozenset().union(
-            *(self.sources.get((m, self.ranks[m].program.nodes[self.ranks[m].pc].args[0]), frozenset())
-              for m in members))
+        self._group_sources = frozenset().union(*(self._sources_at(m) for m in members))
+        self._group_kinds(members)
         if any(isinstance(v, LAZY) for v in values):
             hit = self._moved_group(node, members, values)
             if hit is not None:
@@ -597,14 +590,16 @@ class SymbolicRun(Scheduler):
 
     def send_extra(self, state, node):
         return (self.sources.get((state.rank, node.args[0]), frozenset()),
-                self.provenance.get((state.rank, node.args[0])))
+                self.provenance.get((state.rank, node.args[0])), self._kinds.get((state.rank, node.args[0])))
 
     def receive_extra(self, extra):
-        self._received, self._received_provenance = extra
+        self._received, self._received_provenance, self._received_kind = extra
 
     # -- a pipeline shard: the other shards' ranks are never stepped -----------------------------
     def _send(self, state, node: Node) -> bool:
         dst = self._peer(state, node)
+        if dst in self.virtual:
+            raise Asymmetric(f"{self.plan.describe(state.rank)} sends to mirrored rank {dst}")
         if self.owned is None or dst in self.owned:
             return super()._send(state, node)
         where = self._crossing(state.rank, dst, node.attr.get("tag", 0))
@@ -614,6 +609,8 @@ class SymbolicRun(Scheduler):
 
     def _recv(self, state, node: Node) -> bool:
         src = self._peer(state, node)
+        if src in self.virtual:
+            raise Asymmetric(f"{self.plan.describe(state.rank)} receives from mirrored rank {src}")
         if self.owned is None or src in self.owned:
             return super()._recv(state, node)
         where = self._crossing(src, state.rank, node.attr.get("tag", 0))
@@ -622,7 +619,7 @@ class SymbolicRun(Scheduler):
             raise Unshardable(f"{self.plan.describe(state.rank)} at {state.where()} expects shape "
                               f"{node.attr['size']} from rank {src}, which sends {value.shape}")
         self.assumed[where] = fingerprint(value, reads)
-        self._received, self._received_provenance = reads, made
+        self._received, self._received_provenance, self._received_kind = reads, made, None
         self._advance(state, node, value)
         return True
 
@@ -712,10 +709,12 @@ class SymbolicRun(Scheduler):
             raise Asymmetric(f"{self.plan.describe(state.rank)} {node.name}: a collective's result claimed as "
                              f"a slice with samples")
         made = self._provenance(state, node, value) if self.templates is not None else None
+        kind = self._mirror_kind(state, node) if state.rank in self.mirrors_of else None
         if claim is not None and node.dtype == "float" and node.op != Op.SEND:
-            value, made = self._cut(state, node, value, claim, made)
+            value, made = self._cut(state, node, value, claim, made, kind)
         else:
             self.sources[state.rank, node.name] = self._reads(state, node)
+            self._kind_after(state, node, kind)
         self.provenance[state.rank, node.name] = made
         freed = self.frees[state.name][state.pc]
         super()._advance(state, node, value)
@@ -725,13 +724,18 @@ class SymbolicRun(Scheduler):
         for name in freed:                  # a value read for the last time: nothing reads its sources again
             self.sources.pop((state.rank, name), None)
             self.provenance.pop((state.rank, name), None)
+            self._forget_kind(state.rank, name)
         if state.done:
+            if self.bar is not None:
+                self.bar.update(self._stood_in_ops(state))
             for held in (self._memo, self._conts, self._parts0, self._cuts0, self._footprints):
                 held.pop(state.rank, None)
 
-    def _cut(self, state, node: Node, value, claim: Claim, made: tuple | None = None):
-        """Record the stage (or its part) and return what the run continues from, with its provenance."""
+    def _cut(self, state, node: Node, value, claim: Claim, made: tuple | None = None, kind=None):
+        """Record the stage (or its part) and return what the run continues from, with its provenance
+        (`kind`: what the rank's mirrors hold here when they are stood in for, `tv_ray.partition.standins`)."""
         rank = state.rank
+        self._mirrored_cut(state, node, claim, kind)
         members = self.members(rank, claim.partial)
         cid = StageId.group(members, node.name)
         self.sources[rank, node.name] = frozenset({cid})
@@ -744,12 +748,19 @@ class SymbolicRun(Scheduler):
                 self._record(cid, members, state, node, claim, [value], reads, made=made)
                 self._remember(members, node, claim, [value])
             out = self._continuation(rank, claim)
+            if not self._own_cuts(state, node, claim, kind, value, reads, out):
+                self._copy_mirrors(state)
             return out, self._continued(rank, members, claim, cid, out)
         parts = self.pending.setdefault(cid, {})
         parts[rank] = (value, reads)
+        self._part_arrived(cid, rank, kind)
         copied = all(m in self.mirrored for m in members)
-        if len(parts) == len(members):
+        if self._complete(members, parts):
             del self.pending[cid]
+            if len(parts) < len(members):
+                self._stand_in_parts(cid, members, claim, parts)
+            elif rank in self.mirrors_of:
+                self._copy_groups(state, cid, members)
             reads = frozenset().union(*(parts[m][1] for m in members))
             values = [parts[m][0] for m in members]
             kinds = {_kind(v) for v in values}
@@ -764,6 +775,7 @@ class SymbolicRun(Scheduler):
         if copied and isinstance(value, Mirrored):
             return Mirrored(claim.shape), None
         out = self._part(rank, members, claim, cid)
+        self._mirrors_continue(state, node, members, claim, cid)
         return out, self._continued(rank, members, claim, cid, out)
 
     def _input_provenance(self, claim: Claim, value) -> tuple | None:
@@ -924,14 +936,6 @@ def _where(claim: Claim) -> tuple:
 
 def _kind(value) -> str:
     return "computed" if not isinstance(value, Mirrored) else "same" if value.same else "renamed"
-
-
-def _constant(value: np.ndarray) -> bool:
-    """No variable (and no data element) in any element."""
-    terms = [t for t in value.reshape(-1) if isinstance(t, Term)]
-    if any(not isinstance(t, (Term, int, float, bool, np.integer, np.floating, np.bool_)) for t in value.reshape(-1)):
-        return False
-    return not any(n.kind is Kind.VAR for n in postorder(*terms)) if terms else True
 
 
 def _identical(xs, ys) -> bool:
