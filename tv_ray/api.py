@@ -145,15 +145,16 @@ class Result:
         return self.report.get("stage") if self.status == "refuted" else None
 
     def save(self, out: str | Path) -> Path:
-        """Write OUT/certificate.json + obligations.parquet (proved) or OUT/report.json (otherwise)."""
-        from tv_ray.certificate.write import write_certificate, write_obligations
+        """Write OUT/certificate.json + obligations.parquet + instances.parquet (proved) or OUT/report.json with
+        the two tables (otherwise)."""
+        from tv_ray.certificate.write import write_certificate, write_tables
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         if self.proved:
             self.certificate = write_certificate(self.outcome, out, self.plan_path, self.settings, self.reference)
             (out / "report.json").unlink(missing_ok=True)
             return out / "certificate.json"
-        write_obligations(self.outcome, out / "obligations.parquet")
+        write_tables(self.outcome, out)
         (out / "certificate.json").unlink(missing_ok=True)
         (out / "report.json").write_text(json.dumps(self.report, indent=1, default=str) + "\n")
         return out / "report.json"

@@ -31,14 +31,15 @@ def cert(certified, tmp_path):
     return copy
 
 
-def _rewrite(cert, edit, refresh_hashes: bool):
-    """Edit the obligation table; with refresh_hashes also fix the manifest's digests (a careful forger)."""
-    rows = pq.read_table(cert / "obligations.parquet")
+def _rewrite(cert, edit, refresh_hashes: bool, name: str = "obligations"):
+    """Edit the obligation table (or the instantiation map); with refresh_hashes also fix the manifest's digests
+    (a careful forger)."""
+    rows = pq.read_table(cert / f"{name}.parquet")
     table = edit(rows)
-    pq.write_table(table, cert / "obligations.parquet", compression="zstd")
+    pq.write_table(table, cert / f"{name}.parquet", compression="zstd")
     if refresh_hashes:
         manifest = json.loads((cert / "certificate.json").read_text())
-        manifest["obligations"]["sha256"] = sha256_file(cert / "obligations.parquet")
+        manifest[name]["sha256"] = sha256_file(cert / f"{name}.parquet")
         manifest["manifest_sha256"] = manifest_digest(manifest)
         (cert / "certificate.json").write_text(json.dumps(manifest))
 
@@ -98,6 +99,44 @@ def test_a_repeated_last_row_is_not_a_stage(cert):
     with pytest.raises(CertificateError) as err:
         check_certificate(cert, sample=1)
     assert str(err.value) == f"obligations.parquet: obligation {last} is not a stage of this plan"
+
+
+def test_mirrored_stages_are_an_instantiation_map_of_the_recorded_ones(cert):
+    manifest = json.loads((cert / "certificate.json").read_text())
+    recorded, instances = pq.read_table(cert / "obligations.parquet"), pq.read_table(cert / "instances.parquet")
+    assert recorded.num_rows == manifest["obligations"]["rows"] and instances.num_rows == manifest["instances"]["rows"]
+    assert instances.num_rows == manifest["symmetry"]["mirrored"] > recorded.num_rows / 2
+    assert recorded.num_rows + instances.num_rows == manifest["counts"]["obligations"]
+    assert set(instances.column("rank").to_pylist()) == {1}         # dp=2: rank 1 mirrors rank 0
+
+
+def test_an_instance_changed_without_its_hash_fails(cert):
+    _rewrite(cert, lambda t: t.slice(1), refresh_hashes=False, name="instances")
+    with pytest.raises(CertificateError, match="instances.parquet: sha256 does not match the manifest; the "
+                                               "instantiation map was changed"):
+        check_certificate(cert, sample=1)
+
+
+def test_an_instance_renaming_another_stage_is_named(cert):
+    def shift(table):
+        stages = table.column("stage").to_pylist()
+        stages[4] += 1
+        return table.set_column(1, "stage", pa.array(stages, pa.int32()))
+    original = pq.read_table(cert / "instances.parquet").column("stage").to_pylist()[4]
+    ids = pq.read_table(cert / "obligations.parquet").column("id").to_pylist()
+    _rewrite(cert, shift, refresh_hashes=True, name="instances")
+    with pytest.raises(CertificateError) as err:
+        check_certificate(cert, sample=1)
+    assert str(err.value) == (f"instances.parquet: row 5 renames stage row {original + 2} to rank 1, where the "
+                              f"plan's mirrored stage 5 is stage {ids[original]} renamed to rank 1")
+
+
+def test_a_dropped_instance_is_counted(cert):
+    n = pq.read_table(cert / "instances.parquet").num_rows
+    _rewrite(cert, lambda t: t.slice(1), refresh_hashes=True, name="instances")
+    with pytest.raises(CertificateError) as err:
+        check_certificate(cert, sample=1)
+    assert str(err.value) == f"instances.parquet: {n - 1:,} mirrored stages where the plan has {n:,}"
 
 
 def test_a_plan_edited_after_verification_fails(cert):

@@ -10,11 +10,12 @@ import pyarrow.parquet as pq
 TIMINGS = {"phases_s", "executor", "command", "manifest_sha256", "obligations"}
 
 
-def content(out: Path) -> tuple[dict, list]:
+def content(out: Path) -> tuple[dict, list, list]:
     manifest = json.loads((out / "certificate.json").read_text())
     del manifest["reduction"]["seconds"]
     table = pq.read_table(out / "obligations.parquet").drop(["seconds"]).to_pylist()
-    return {k: v for k, v in manifest.items() if k not in TIMINGS}, table
+    return {k: v for k, v in manifest.items() if k not in TIMINGS}, table, \
+        pq.read_table(out / "instances.parquet").to_pylist()
 
 
 GRID_SUBSET = [   # (model, parallel, flags, optim, tied, shards)

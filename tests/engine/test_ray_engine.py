@@ -8,7 +8,6 @@ import pyarrow.parquet as pq
 import pytest
 
 from tv_ray import api
-from tv_ray.certificate.write import write_obligations
 from tv_ray.engine import ray_executor
 from tv_ray.engine.driver import _batches, verify_plan
 from tv_ray.engine.executor import LocalExecutor, SolveTask
@@ -82,10 +81,3 @@ def test_solver_actors_are_recycled_after_their_task_limit(local_ray, reference,
     assert sum(int(line.split()[1]) for line in log.read_text().splitlines()) == len(tasks)
 
 
-def test_mirrored_obligations_expanded_by_ray_tasks_give_the_same_table(local_ray, reference, tmp_path):
-    outcome = reference
-    assert outcome.partition.mirrored > 2 * 500
-    write_obligations(outcome, tmp_path / "ranges.parquet", rows=500)           # ranges on Ray tasks
-    write_obligations(outcome, tmp_path / "whole.parquet", rows=1 << 20)        # one range, in this process
-    ranges, whole = pq.read_table(tmp_path / "ranges.parquet"), pq.read_table(tmp_path / "whole.parquet")
-    assert ranges.num_rows == outcome.partition.size and ranges.equals(whole)

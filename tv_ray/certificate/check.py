@@ -2,12 +2,15 @@
 
 `check_certificate(OUT)`:
 
-1. the manifest's own digest, the obligations file's digest and the plan
-   file's digest must match (any changed byte fails, naming the file);
+1. the manifest's own digest, the digests of the obligations file, of the
+   instantiation map and of the plan file must match (any changed byte
+   fails, naming the file);
 2. from the plan alone, shape reduction, claims, stages and keys are
    derived again and must equal the certificate's: same reduced dims, the
-   same obligation ids with the same keys and the same DAG edges (a deleted
-   or edited row fails, naming the obligation);
+   same recorded obligation ids with the same keys and the same DAG edges (a
+   deleted or edited row fails, naming the obligation), and the same
+   instantiation map — which mirrored dp rank renames which recorded stage
+   (a changed row fails, naming it);
 3. every row must be `proved`, and the composition is re-checked: every
    stage input is boundary lineage or a proved stage, every logical output
    (loss, each gradient, each updated parameter and state) is covered, and
@@ -35,10 +38,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from tv_ray.certificate.write import FORMAT, MANIFEST, TABLE, manifest_digest, sha256_file
+from tv_ray.certificate.write import FORMAT, INSTANCES, MANIFEST, TABLE, manifest_digest, sha256_file
 from tv_ray.errors import CertificateError, PlanError
 from tv_ray.partition.compose import composition_problems
 from tv_ray.partition.derive import Settings, derive
@@ -78,9 +82,10 @@ def _load(out: Path) -> tuple[dict, Path]:
     if manifest_digest(manifest) != manifest.get("manifest_sha256"):
         raise CertificateError(f"{path}: manifest_sha256 does not match the manifest's content; "
                                f"the manifest was edited after verification")
-    table = out / manifest["obligations"]["file"]
-    if not table.exists() or sha256_file(table) != manifest["obligations"]["sha256"]:
-        raise CertificateError(f"{table}: sha256 does not match the manifest; the obligation table was changed")
+    for name, what in (("obligations", "the obligation table"), ("instances", "the instantiation map")):
+        table = out / manifest[name]["file"]
+        if not table.exists() or sha256_file(table) != manifest[name]["sha256"]:
+            raise CertificateError(f"{table}: sha256 does not match the manifest; {what} was changed")
     plan_path = Path(manifest["plan"]["path"])
     plan_path = plan_path if plan_path.is_absolute() else out / plan_path
     if not plan_path.exists():
@@ -130,10 +135,10 @@ def _methods(recorded: str, solvers: tuple[str, ...], timeout_s: float) -> list[
 
 
 def _compare(part, table: Path, advance: Callable[[int], object] = lambda n: None) -> tuple[int, dict[str, str], dict]:
-    """The table row by row against the plan's stages, in the order it is written (recorded stages, then the
-    mirrored ones), streamed: (rows, recorded method by key, first obligation by key). Raises naming the first
-    row that is missing, extra, out of order, of another formula or inputs, or not proved."""
-    derived = part.every()
+    """The table row by row against the plan's recorded stages, in stage order, streamed: (rows, recorded method
+    by key, first obligation by key). Raises naming the first row that is missing, extra, out of order, of another
+    formula or inputs, or not proved."""
+    derived = iter(part.obligations)
     by_key: dict[str, str] = {}
     first: dict = {}
     rows = 0
@@ -169,6 +174,25 @@ def _compare(part, table: Path, advance: Callable[[int], object] = lambda n: Non
     return rows, by_key, first
 
 
+def _compare_instances(part, table: Path) -> int:
+    """The instantiation map against the plan's mirrored stages (each a recorded stage renamed to a dp rank's
+    block, re-derived here); raises naming the first row that differs. The number of rows."""
+    got = pq.read_table(table)
+    if got.column_names != ["rank", "stage"]:
+        raise CertificateError(f"{INSTANCES}: columns {got.column_names}, expected ['rank', 'stage']")
+    ranks, stages = (got.column(c).to_numpy().astype(np.int64) for c in ("rank", "stage"))
+    if len(ranks) != part.mirrored:
+        raise CertificateError(f"{INSTANCES}: {len(ranks):,} mirrored stages where the plan has {part.mirrored:,}")
+    wrong = np.flatnonzero((ranks != part.copy_ranks) | (stages != part.copy_of))
+    if len(wrong):
+        i = int(wrong[0])
+        stage = part.obligations[int(part.copy_of[i])]
+        raise CertificateError(f"{INSTANCES}: row {i + 1} renames stage row {int(stages[i]) + 1} to rank "
+                               f"{int(ranks[i])}, where the plan's mirrored stage {i + 1} is stage {stage.id} renamed "
+                               f"to rank {int(part.copy_ranks[i])}")
+    return len(ranks)
+
+
 def check_certificate(out: str | Path, sample: int | None = None, solvers: tuple[str, ...] = ("z3", "yices"),
                       timeout_s: float = 10.0, seed: int = 0, allow_same_method: bool = False,
                       progress: bool | None = None) -> CheckReport:
@@ -196,6 +220,8 @@ def check_certificate(out: str | Path, sample: int | None = None, solvers: tuple
     with tqdm(total=part.size, disable=not show, unit="row", desc="comparing", file=sys.stderr,
               dynamic_ncols=True) as bar:
         rows, by_key, first = _compare(part, out / TABLE, bar.update)
+        rows += _compare_instances(part, out / INSTANCES)
+        bar.update(part.mirrored)
     problems = composition_problems(plan, part, {o.id for o in part.obligations})
     if problems:
         raise CertificateError(f"composition does not hold: {problems[0]}")

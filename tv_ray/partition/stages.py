@@ -373,13 +373,15 @@ class SymbolicRun(StandIns, Scheduler):
             results = [whole for _ in members]
         else:
             values = list(values)
+            at = _positions(members)
             for i in mirrored:
-                values[i] = self._mirror(members, values, members[i])
+                values[i] = self._mirror(members, values, members[i], at)
             results = list(group_rule(node.op, values, node.attr))
-        slots: dict[int, bool] = {}
+        at = _positions(members)
+        slots: dict[int, tuple[bool, bool]] = {}
         for i, m in enumerate(members):
             if m in self.mirrored:
-                results[i] = self._as_mirror(members, results, m, slots)
+                results[i] = self._as_mirror(at, results, m, slots)
         return results
 
     def _summed_contributions(self, node: Node, members, values) -> np.ndarray | None:
@@ -411,27 +413,33 @@ class SymbolicRun(StandIns, Scheduler):
                 and all(self.mirrored.get(m) == first[0] for m in members if m != first[0])
         return spans
 
-    def _mirror(self, members, values, rank: int) -> np.ndarray:
-        """A mirrored rank's value among a group's `values`, from its representative's."""
+    def _mirror(self, members, values, rank: int, at: dict[int, int] | None = None) -> np.ndarray:
+        """A mirrored rank's value among a group's `values` (`at`: each member's position), from its
+        representative's."""
+        at = at or _positions(members)
         rep = self.mirrors.image[self.mirrors.block[rank]][rank]
-        mine = values[members.index(rank)]
-        theirs = values[members.index(rep)] if rep in members else None
+        mine = values[at[rank]]
+        theirs = values[at[rep]] if rep in at else None
         if theirs is None or isinstance(theirs, Mirrored):
             raise Asymmetric(f"{self.plan.describe(rank)} meets a group without its representative")
         theirs = self._real(theirs)
         return theirs if mine.same else self.mirrors.rename(theirs, self.mirrors.block[rank])
 
-    def _as_mirror(self, members, results, rank: int, slots: dict[int, bool]):
-        """A mirrored rank's result of a collective: `Mirrored` when it is its representative's renamed (or
-        the very same value: a result holding parts of a group across dp is no renaming), else computed."""
+    def _as_mirror(self, at: dict[int, int], results, rank: int, slots: dict[int, tuple[bool, bool]]):
+        """A mirrored rank's result of a collective (`at`: each member's position): `Mirrored` when it is its
+        representative's renamed (or the very same value: a result holding parts of a group across dp is no
+        renaming), else computed."""
         rep = self.mirrors.image[self.mirrors.block[rank]][rank]
-        mine, theirs = results[members.index(rank)].reshape(-1), results[members.index(rep)].reshape(-1)
-        shape = results[members.index(rank)].shape
-        if rep not in slots:         # once per representative: does its result name rank or group parts?
-            slots[rep] = self.mirrors.names_slots(theirs)
-        if not slots[rep] and _identical(mine, self.mirrors.rename(theirs, self.mirrors.block[rank])):
+        mine, theirs = results[at[rank]].reshape(-1), results[at[rep]].reshape(-1)
+        shape = results[at[rank]].shape
+        if rep not in slots:         # once per representative: does its result name parts, read samples?
+            slots[rep] = self.mirrors.reads(theirs)
+        named, renamed = slots[rep]
+        # a result that names no slot and reads no sample is every block's renaming of itself
+        if not named and _identical(mine, self.mirrors.rename(theirs, self.mirrors.block[rank]) if renamed
+                                    else theirs):
             return Mirrored(shape)
-        return Mirrored(shape, same=True) if _identical(mine, theirs) else results[members.index(rank)]
+        return Mirrored(shape, same=True) if _identical(mine, theirs) else results[at[rank]]
 
     # -- microbatch symmetry ----------------------------------------------------------------------
     def _movable(self, rank: int) -> bool:
@@ -932,6 +940,10 @@ def _memo_key(node: Node, args, members=()) -> tuple:
 
 def _where(claim: Claim) -> tuple:
     return claim.logical, claim.offsets, claim.shape, claim.partial
+
+
+def _positions(members) -> dict[int, int]:
+    return {m: i for i, m in enumerate(members)}
 
 
 def _kind(value) -> str:

@@ -331,11 +331,16 @@ class Mirrors:
             return cid
         return cid.with_ranks(tuple(self.image[k].get(r, r) for r in cid.ranks))
 
-    def names_slots(self, terms) -> bool:
-        """Do the terms name a rank's or a group's own variables (free parts, opaque values)?"""
+    def reads(self, terms) -> tuple[bool, bool]:
+        """(Do the terms name a rank's or a group's own variables — free parts, opaque values —, could a block
+        renaming change them — a variable of a sample, or anything but a term: data choices)."""
         roots = [t for t in terms if isinstance(t, Term)]
-        return any(n.kind is Kind.VAR and isinstance(n.payload, Atom) and isinstance(n.payload.base, (Part, StageId))
-                   for n in postorder(*roots))
+        named, samples = False, len(roots) < len(terms)
+        for n in postorder(*roots):
+            if n.kind is Kind.VAR and isinstance(n.payload, Atom):
+                named = named or isinstance(n.payload.base, (Part, StageId))
+                samples = samples or self.blocks.block_of(n.payload) is not None
+        return named, samples
 
     def rename(self, terms, k: int):
         """Terms of dp 0's slots as dp k's: block 0 renamed to block k, rank prefixes swapped."""
