@@ -761,7 +761,7 @@ class SymbolicRun(StandIns, Scheduler):
             return out, self._continued(rank, members, claim, cid, out)
         parts = self.pending.setdefault(cid, {})
         parts[rank] = (value, reads)
-        self._part_arrived(cid, rank, kind)
+        self._part_arrived(cid, members, rank, kind)
         copied = all(m in self.mirrored for m in members)
         if self._complete(members, parts):
             del self.pending[cid]

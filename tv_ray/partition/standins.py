@@ -19,8 +19,8 @@ would meet them:
 
 - at each op, the kinds of the arguments decide the result's, exactly as
   `SymbolicRun._evaluate` decides a mirrored rank's (mixing kinds is
-  `Asymmetric`; an op on a mirror's own value other than a shape-only one is
-  too);
+  `Asymmetric`); an op on values of the mirrors' own (and constants) is
+  computed for each mirror, as stepping it would;
 - a collective over a group without mirrors (tp, within dp 0) gives each
   member's mirrors the kind of their common arguments; a collective over a
   group across dp blocks gets each mirror's input from its representative
@@ -32,8 +32,8 @@ would meet them:
   a group within dp 0 is one copy per mirrored group; a partial claim over a
   group across dp blocks gets each mirror's part from its representative's,
   and each mirror continues from its own part (`SymbolicRun._part`); a
-  mirror that would record a stage of its own (a constant or own value cut)
-  ends the stand-ins;
+  constant or own value cut at a whole or sliced claim is each mirror's own
+  stage, recorded as stepping would record it;
 - a send to or a receive from a mirrored rank ends the stand-ins.
 
 Whatever ends them raises `Asymmetric`, and the generation steps every
@@ -104,12 +104,25 @@ class StandIns:
         if any(isinstance(k, dict) for k in kinds):
             if node.op in SHAPE_ONLY:
                 return CONSTANT           # the same shape, so the same constant as the representative's
-            raise Asymmetric(f"the mirrors of {self.plan.describe(state.rank)} compute {node.name} from values of "
-                             f"their own")
+            if any(k is None or k is SAME for k in kinds):
+                raise Asymmetric(f"the mirrors of {self.plan.describe(state.rank)} compute {node.name} from "
+                                 f"values of their own and mirrored ones")
+            return self._own_op(state, node, kinds)
         mirrored = {k for k in kinds if k is not CONSTANT}
         if len(mirrored) > 1:
             raise Asymmetric(f"the mirrors of {self.plan.describe(state.rank)} mix mirrored values at {node.name}")
         return mirrored.pop() if mirrored else CONSTANT
+
+    def _own_op(self, state, node: Node, kinds) -> dict:
+        """Each mirror computes an op on values of its own (and constants, the representative's), as stepping it
+        would: its own result."""
+        own = {}
+        for m in self.mirrors_of[state.rank]:
+            k = self.mirrors.block[m]
+            args = [kind[k] if isinstance(kind, dict) else self._real(state.env[a])
+                    for a, kind in zip(node.args, kinds)]
+            own[k] = self._evaluate(self.ranks[m], node, args)
+        return own
 
     def _kind_after(self, state, node: Node, kind) -> None:
         if kind is not None:
@@ -178,19 +191,19 @@ class StandIns:
 
     def _own_cuts(self, state, node: Node, claim: Claim, kind, value, reads, out) -> bool:
         """A representative's whole or sliced cut where its mirrors hold a constant or values of their own: each
-        records a stage of its own, as stepping it would, and continues from its claim's value — a constant, the
-        representative's continuation `out` (else they cannot be stood in for). False for `Mirrored` values."""
+        records a stage of its own, as stepping it would, and continues from its claim's value — a constant
+        (the representative's continuation `out`) or its own atoms. False for `Mirrored` values."""
         if kind is None or kind is SAME:
             return False
+        own = {}
         for m in self.mirrors_of.get(state.rank, ()):
             k = self.mirrors.block[m]
-            self._record(StageId.group((m,), node.name), (m,), self.ranks[m], node, self._claim(m, node.name),
+            mine = self._claim(m, node.name)
+            self._record(StageId.group((m,), node.name), (m,), self.ranks[m], node, mine,
                          [value if kind is CONSTANT else kind[k]],
                          frozenset(self.mirrors.rename_id(c, k) for c in reads))
-        if not constant(out):
-            raise Asymmetric(f"the mirrors of {self.plan.describe(state.rank)} continue from {node.name}'s claim, "
-                             f"which is not constant")
-        self._kinds[state.rank, node.name] = CONSTANT
+            own[k] = self._continuation(m, mine)
+        self._kinds[state.rank, node.name] = CONSTANT if constant(out) else own
         return True
 
     def _copy_mirrors(self, state) -> None:
@@ -199,8 +212,8 @@ class StandIns:
             self.copied[0].append(m)
             self.copied[1].append(state.pc)
 
-    def _part_arrived(self, cid: StageId, rank: int, kind) -> None:
-        if kind is not None and kind is not SAME:
+    def _part_arrived(self, cid: StageId, members, rank: int, kind) -> None:
+        if kind is not None and kind is not SAME and not any(m in self.virtual for m in members):
             raise Asymmetric(f"stage {cid}: the mirrors of {self.plan.describe(rank)} hold parts of their own")
         if rank in self.mirrors_of:
             self._part_kinds.setdefault(cid, {})[rank] = kind
@@ -219,9 +232,10 @@ class StandIns:
             rep = self.mirrored[m]
             if rep not in parts:
                 raise Asymmetric(f"stage {cid}: {self.plan.describe(m)} without its representative")
-            k = self.mirrors.block[m]
-            parts[m] = (Mirrored(claim.shape, kinds.get(rep) is SAME),
-                        frozenset(self.mirrors.rename_id(c, k) for c in parts[rep][1]))
+            k, kind = self.mirrors.block[m], kinds.get(rep)
+            held = kind[k] if isinstance(kind, dict) else parts[rep][0] if kind is CONSTANT else \
+                Mirrored(claim.shape, kind is SAME)
+            parts[m] = (held, frozenset(self.mirrors.rename_id(c, k) for c in parts[rep][1]))
 
     def _mirrors_continue(self, state, node: Node, members, claim: Claim, cid: StageId) -> None:
         """After a partial claim over a group across dp blocks, each mirror continues from its part: its block's
