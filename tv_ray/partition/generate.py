@@ -209,16 +209,7 @@ def partition(plan: Plan, dims: dict[str, int], claims: dict[tuple[int, str], Cl
     renamings = Renamings(found, moves, blocks, templates, virtual and found is not None and not found.notes)
     try:
         try:
-            try:
-                part = _run(plan, dims, claims, renamings, logical, notes, split, bar, generate, groups)
-                part.stood_in = len(found.rep) if renamings.virtual else 0
-                return part
-            except Asymmetric:
-                if not renamings.virtual:
-                    raise
-                bar.reset()            # the mirrors could not be stood in for: step them
-                return _run(plan, dims, claims, replace(renamings, virtual=False), logical, notes, split, bar,
-                            generate, groups)
+            return _mirrored(plan, dims, claims, renamings, logical, notes, split, bar, generate, groups)
         except Asymmetric as why:
             notes.append(f"symmetry: {why}; every rank run in full")
             have = {r for r, _ in claims}
@@ -230,6 +221,20 @@ def partition(plan: Plan, dims: dict[str, int], claims: dict[tuple[int, str], Cl
                         generate, groups)
     finally:
         bar.close()
+
+
+def _mirrored(plan, dims, claims, renamings: Renamings, logical, notes, split, bar, generate, groups) -> Partition:
+    """One generation with the mirrors stood in for (`renamings.virtual`) and, where that ends in `Asymmetric`,
+    with the mirrors stepped."""
+    if renamings.virtual:
+        try:
+            part = _run(plan, dims, claims, renamings, logical, notes, split, bar, generate, groups)
+            part.stood_in = len(renamings.mirrors.rep)
+            return part
+        except Asymmetric:
+            bar.reset()
+            renamings = replace(renamings, virtual=False)
+    return _run(plan, dims, claims, renamings, logical, notes, split, bar, generate, groups)
 
 
 def _run(plan, dims, claims, renamings: Renamings, logical, notes, split, bar, generate, groups) -> Partition:
