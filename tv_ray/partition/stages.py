@@ -369,15 +369,14 @@ class SymbolicRun(StandIns, Scheduler):
             shape = self._shape(node)
             return [Mirrored(shape, values[0].same) for _ in values]
         whole = self._summed_contributions(node, members, values)
+        at = _positions(members)
         if whole is not None:
             results = [whole for _ in members]
         else:
             values = list(values)
-            at = _positions(members)
             for i in mirrored:
                 values[i] = self._mirror(members, values, members[i], at)
             results = list(group_rule(node.op, values, node.attr))
-        at = _positions(members)
         slots: dict[int, tuple[bool, bool]] = {}
         for i, m in enumerate(members):
             if m in self.mirrored:
