@@ -14,6 +14,12 @@ asked, for a contribution sum, whose block-0 part is `contribution`. A view
 or copy of a contribution sum (a weight gradient transposed) moves each
 element of the sum, so it is the sum over blocks of the view of each block's
 part: it has a `contribution` too.
+
+A value is its atoms except where the definition is a constant, so an op
+that gives no constant on variables (`NEVER_CONSTANT`, on tensors that are
+their atoms throughout) gets its atoms without its definition being built;
+that is built when a formula asks for it (`_define`). Most of the optimizer's
+tensors are such, and most formulas are never built (stage templates).
 """
 from __future__ import annotations
 
@@ -30,6 +36,10 @@ from tv_ray.terms import Kind, Term, sum_, var
 from tv_ray.terms.atom import Atom
 
 SHAPE_ONLY = frozenset({Op.FULL_LIKE})      # reads only its input's shape
+# ops whose result on variables (and nonzero scalars) is never a constant: the term constructors fold constants
+# and drop neutral elements but never cancel variables (`tv_ray.terms.term`), and apply no rule to a variable
+NEVER_CONSTANT = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.NEG, Op.SQRT, Op.RSQRT})
+SCALARS = ("other", "alpha")
 MOVES_ELEMENTS = VIEWS | {Op.CLONE}         # each output element is one input element
 INFINITE = frozenset({INF, NEG_INF})
 DERIVE_DEPTH = 24
@@ -59,6 +69,8 @@ class LogicalTerms:
     blocks: Blocks | None = None
     contribution: dict[str, np.ndarray] = field(default_factory=dict)   # block 0's part of a contribution sum
     _varying: set[str] = field(default_factory=set)
+    _atomic: set[str] = field(default_factory=set)       # tensors whose every element is its own atom
+    _later: set[str] = field(default_factory=set)        # definitions built when asked (`_deferrable`)
     _contributions: dict[tuple, np.ndarray] = field(default_factory=dict)
 
     @staticmethod
@@ -91,13 +103,39 @@ class LogicalTerms:
                     lt.value[node.name] = lt._atoms(node.name, instantiate_shape(node.shape, dims))
                     continue             # its definition is built when asked (`_whole_definition`)
                 d = eval_symbolic(node, [lt.whole(a) for a in node.args], dims)
+            elif varies and lt._deferrable(node):
+                lt.value[node.name] = lt._atoms(node.name, instantiate_shape(node.shape, lt._dims_of(node.name)))
+                lt._later.add(node.name)
+                continue
             else:
-                d = eval_symbolic(node, [lt.value[a] for a in node.args], small if lt._has_samples(node.name) else dims)
+                d = eval_symbolic(node, [lt.value[a] for a in node.args], lt._dims_of(node.name))
                 if node.op in MOVES_ELEMENTS and node.args[0] in lt.contribution:
                     lt.contribution[node.name] = eval_symbolic(node, [lt.contribution[node.args[0]]], dims)
             lt.definition[node.name] = d
             lt.value[node.name] = lt._atoms(node.name, d.shape, d) if varies else d
         return lt
+
+    def _dims_of(self, name: str) -> dict[str, int]:
+        """The dims a tensor is built at: one block's, for a tensor with samples."""
+        return self.blocks.small if self._has_samples(name) else self.dims
+
+    def _deferrable(self, node: Node) -> bool:
+        """Is the definition of `node` no constant anywhere, so its value is its atoms without building it? An
+        op of `NEVER_CONSTANT` on tensors that are their atoms throughout, with nonzero scalars, and no samples
+        gathered: built when asked (`_define`). (Were it wrong, atoms for a constant would only weaken what
+        follows: a proof for every value of an atom holds for the constant.)"""
+        if node.op not in NEVER_CONSTANT or not all(a in self._atomic for a in node.args) or \
+                any(isinstance(v, bool) or not isinstance(v, (int, float)) or v == 0
+                    for k, v in node.attr.items() if k in SCALARS) or set(node.attr) - set(SCALARS):
+            return False
+        shapes = [self.value[a].shape for a in node.args]
+        return np.broadcast_shapes(*shapes) == tuple(instantiate_shape(node.shape, self._dims_of(node.name)))
+
+    def _define(self, name: str) -> None:
+        if name in self._later:
+            node = self.nodes[name]
+            self.definition[name] = eval_symbolic(node, [self.value[a] for a in node.args], self._dims_of(name))
+            self._later.discard(name)
 
     def _has_samples(self, name: str) -> bool:
         return self.blocks is not None and self.blocks.tags.get(name) is not None
@@ -119,6 +157,8 @@ class LogicalTerms:
         return self._at(name, "definition", slices)
 
     def _at(self, name: str, kind: str, slices: tuple) -> np.ndarray:
+        if kind == "definition" and name not in self.definition:
+            self._define(name)
         if kind == "definition" and name not in self.definition:
             self.definition[name] = self._whole_definition(name)
         arr = (self.value if kind == "value" else self.definition)[name]
@@ -172,6 +212,7 @@ class LogicalTerms:
 
     def unfolding(self, name: str, present: list[Term]) -> dict[Term, Term]:
         """Atom → definition for the atoms of `name` in `present` (all of them for a tensor without samples)."""
+        self._define(name)
         if not self._has_samples(name) and name in self.definition:
             values, definition = self.value[name], self.definition[name]
             return {values[idx]: definition[idx] for idx in np.ndindex(values.shape)}
@@ -214,11 +255,15 @@ class LogicalTerms:
         """Atoms for a tensor's elements; an element whose definition is a constant (a masked attention
         weight is exactly 0) keeps the constant, so structural zeros stay visible downstream."""
         arr = atoms(name, shape)
+        kept = False
         for idx in np.ndindex(shape):
             if definition is not None and (definition[idx].kind is Kind.CONST or definition[idx] in INFINITE):
                 arr[idx] = definition[idx]
+                kept = True
             else:
                 self.atom_of[arr[idx]] = (name, idx)
+        if not kept:
+            self._atomic.add(name)
         return arr
 
 

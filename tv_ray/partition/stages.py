@@ -176,6 +176,32 @@ class Accumulated:
 LAZY = (Moved, Accumulated)
 
 
+class Deferred:
+    """A claimed op's value not computed, because its stage is a template built before (`SymbolicRun._deferred`):
+    the run continues from the claim, so only a renaming that meets other values (`Moved`, `Accumulated`) or a
+    mirror's own stage may still ask for its terms (`terms`)."""
+
+    __slots__ = ("node", "args", "dims", "ctx", "shape", "real")
+
+    def __init__(self, node: Node, args: list, dims: dict[str, int], ctx, shape: tuple[int, ...]):
+        self.node, self.args, self.dims, self.ctx, self.shape, self.real = node, args, dims, ctx, shape, None
+
+    def terms(self) -> np.ndarray:
+        if self.real is None:
+            try:
+                self.real = eval_symbolic(self.node, self.args, self.dims, self.ctx)
+            except TvRayError as err:        # its template's instance was evaluated: the same op on renamed values
+                raise TvRayError(f"{self.node.name}: its stage's template was evaluated, this instance fails: "
+                                 f"{err}") from err
+            self.args = None
+        return self.real
+
+
+def terms_of(value):
+    """A value's terms where it is a `Deferred` one; any other value as it is."""
+    return value.terms() if isinstance(value, Deferred) else value
+
+
 def fingerprint(value, reads) -> tuple:
     """What a value crossing shards is, comparable across processes: its kind (`Mirrored`, `Moved`, ...), shape,
     the stages it was cut at, and a digest of its terms (variables by name)."""
@@ -183,9 +209,9 @@ def fingerprint(value, reads) -> tuple:
     if isinstance(value, Mirrored):
         return "mirrored", value.same, value.shape, reads
     if isinstance(value, Moved):
-        return "moved", value.k, _digest(value.base), reads
+        return "moved", value.k, _digest(terms_of(value.base)), reads
     if isinstance(value, Accumulated):
-        return "accumulated", tuple(sorted(value.ks)), _digest(value.base), reads
+        return "accumulated", tuple(sorted(value.ks)), _digest(terms_of(value.base)), reads
     return "terms", _digest(value), reads
 
 
@@ -259,6 +285,8 @@ class SymbolicRun(StandIns, Scheduler):
         self.notes: list[str] = []
         self.opaque: dict[tuple[int, str], str] = {}
         self._group_sources: frozenset[str] = frozenset()
+        self._group_made: dict[int, tuple | None] = {}      # the last collective's result provenance by member
+        self._made: tuple = (None, None, None)              # (rank, op, provenance) of the last `Deferred` value
         self._received: frozenset[str] = frozenset()
         self.boundary: dict[str, Claim] = {}
         self._shapes: dict[int, tuple[int, ...]] = {}     # id(node) -> its shape at dims (nodes live in the plan)
@@ -317,12 +345,26 @@ class SymbolicRun(StandIns, Scheduler):
             if hit is not None:
                 return hit
             args = [self._real(a) for a in args]
-        elif self._movable(rank) and node.get_meta("mb") in (0, None):
-            out = self._evaluate(state, node, args)
-            if (rank, node.name) not in self.opaque:
-                self._memo.setdefault(rank, {})[_memo_key(node, args)] = (args, out)
-            return out
-        return self._evaluate(state, node, args)
+            return self._evaluate(state, node, args)
+        out = self._deferred(state, node, args) or self._evaluate(state, node, args)
+        if self._movable(rank) and node.get_meta("mb") in (0, None) and (rank, node.name) not in self.opaque:
+            self._memo.setdefault(rank, {})[_memo_key(node, args)] = (args, out)
+        return out
+
+    def _deferred(self, state, node: Node, args) -> Deferred | None:
+        """A claimed op whose stage is a template built before is not computed: its stage takes that template's
+        key, and the run continues from the claim."""
+        if self.templates is None or node.dtype != "float" or state.rank in self.mirrored or \
+                not all(isinstance(a, np.ndarray) for a in args):
+            return None
+        claim = self._claim(state.rank, node.name)
+        if claim is None or claim.partial:
+            return None
+        made = self.templates.op(node, [self.provenance.get((state.rank, a)) for a in node.args], state.ctx)
+        if made is None or not self.templates.built.get(self.templates.descriptor(made, claim)):
+            return None
+        self._made = (state.rank, node.name, made)
+        return Deferred(node, args, self.dims, state.ctx, self._shape(node))
 
     def _evaluate(self, state, node: Node, args):
         mirrored = [a for a in args if isinstance(a, Mirrored)]
@@ -351,6 +393,7 @@ class SymbolicRun(StandIns, Scheduler):
 
     def evaluate_group(self, node: Node, members, values):
         self._group_sources = frozenset().union(*(self._sources_at(m) for m in members))
+        self._group_made = {}
         self._group_kinds(members)
         if any(isinstance(v, LAZY) for v in values):
             hit = self._moved_group(node, members, values)
@@ -377,6 +420,9 @@ class SymbolicRun(StandIns, Scheduler):
             for i in mirrored:
                 values[i] = self._mirror(members, values, members[i], at)
             results = list(group_rule(node.op, values, node.attr))
+            if self.templates is not None and not mirrored and not self.virtual.intersection(members):
+                made = [self.provenance.get((m, self._at(m).args[0])) for m in members]
+                self._group_made = {m: self.templates.collective(node, made, i) for i, m in enumerate(members)}
         slots: dict[int, tuple[bool, bool]] = {}
         for i, m in enumerate(members):
             if m in self.mirrored:
@@ -447,13 +493,14 @@ class SymbolicRun(StandIns, Scheduler):
             (self.mirrors is None or self.mirrors.block[rank] == 0)
 
     def _real(self, value):
-        """A `Moved` or `Accumulated` value's terms (built once); any other value as it is."""
+        """A `Moved`, `Accumulated` or `Deferred` value's terms (built once); any other value as it is."""
         if not isinstance(value, LAZY):
-            return value
+            return terms_of(value)
         if value.real is None and isinstance(value, Moved):
-            value.real = self.moves.rename(value.base, value.k)
+            value.real = self.moves.rename(terms_of(value.base), value.k)
         elif value.real is None:
-            renamed = [value.base if k == 0 else self.moves.rename(value.base, k) for k in sorted(value.ks)]
+            base = terms_of(value.base)
+            renamed = [base if k == 0 else self.moves.rename(base, k) for k in sorted(value.ks)]
             value.real = np.empty(value.shape, dtype=object)
             for idx in np.ndindex(value.shape):
                 value.real[idx] = sum_([r[idx] for r in renamed])
@@ -558,7 +605,8 @@ class SymbolicRun(StandIns, Scheduler):
             return False
         where = _where(moved[1] if moved is not None else claim)
         entries = [self._cuts0.get(m, {}).get(where) for m in members]
-        if any(e is None or not (e[1] is v.base or _identical(e[1].reshape(-1), v.base.reshape(-1)))
+        if any(e is None or not (e[1] is v.base or _identical(terms_of(e[1]).reshape(-1),
+                                                              terms_of(v.base).reshape(-1)))
                for e, v in zip(entries, values)) or len({e[0] for e in entries}) != 1:
             return False
         first = self.obligations[entries[0][0]]
@@ -575,7 +623,7 @@ class SymbolicRun(StandIns, Scheduler):
         if not (tagged and self.moves.first(claim)) and node.get_meta("mb") != 0:
             return
         for m, v in zip(members, values):
-            if self._movable(m) and isinstance(v, np.ndarray):
+            if self._movable(m) and isinstance(v, (np.ndarray, Deferred)):
                 self._cuts0.setdefault(m, {})[_where(claim)] = (len(self.obligations) - 1, v)
 
     def _claim(self, rank: int, tensor: str) -> Claim | None:
@@ -701,8 +749,12 @@ class SymbolicRun(StandIns, Scheduler):
 
     def _provenance(self, state, node: Node, value) -> tuple | None:
         """How a computed value came about, for a template (None: not from continuations and ops alone)."""
-        if not isinstance(value, np.ndarray) or (state.rank, node.name) in self.opaque or node.op in COLLECTIVES:
+        if not isinstance(value, (np.ndarray, Deferred)) or (state.rank, node.name) in self.opaque:
             return None
+        if node.op in COLLECTIVES:
+            return self._group_made.get(state.rank)
+        if self._made[:2] == (state.rank, node.name):
+            return self._made[2]
         if node.op == Op.RECV:
             return self._received_provenance
         return self.templates.op(node, [self.provenance.get((state.rank, a)) for a in node.args], state.ctx)
@@ -759,7 +811,7 @@ class SymbolicRun(StandIns, Scheduler):
                 self._copy_mirrors(state)
             return out, self._continued(rank, members, claim, cid, out)
         parts = self.pending.setdefault(cid, {})
-        parts[rank] = (value, reads)
+        parts[rank] = (value, reads, made)
         self._part_arrived(cid, members, rank, kind)
         copied = all(m in self.mirrored for m in members)
         if self._complete(members, parts):
@@ -770,6 +822,7 @@ class SymbolicRun(StandIns, Scheduler):
                 self._copy_groups(state, cid, members)
             reads = frozenset().union(*(parts[m][1] for m in members))
             values = [parts[m][0] for m in members]
+            summed = self.templates.parts([parts[m][2] for m in members]) if self.templates is not None else None
             kinds = {_kind(v) for v in values}
             if copied and len(kinds) > 1 and kinds & {"same", "renamed"}:
                 raise Asymmetric(f"stage {cid}: mirrored and computed parts of one all-mirrored group "
@@ -777,7 +830,7 @@ class SymbolicRun(StandIns, Scheduler):
             if copied and kinds & {"same", "renamed"}:
                 self._copy(state)
             elif not self._moved_stage(cid, members, state, node, claim, values, reads):
-                self._record_group(cid, members, state, node, claim, values, reads)
+                self._record_group(cid, members, state, node, claim, values, reads, summed)
                 self._remember(members, node, claim, values)
         if copied and isinstance(value, Mirrored):
             return Mirrored(claim.shape), None
@@ -827,13 +880,15 @@ class SymbolicRun(StandIns, Scheduler):
             self._parts0.setdefault(rank, {})[_where(claim), position] = (cid, out)
         return out
 
-    def _record_group(self, cid, members, state, node: Node, claim: Claim, values, reads) -> None:
+    def _record_group(self, cid, members, state, node: Node, claim: Claim, values, reads,
+                      made: tuple | None = None) -> None:
         """A partial claim's group is complete: the group's sum against the slice (mirrored parts renamed),
         or, for a contribution sum whose group spans every dp block evenly, dp block 0's part alone. Where the
-        members already continue from their blocks' contributions (`_part`), it must be the latter."""
+        members already continue from their blocks' contributions (`_part`), it must be the latter. `made`:
+        the provenance of the group's sum (`Templates.parts`), its template."""
         contributed = self._contributes(members, claim)
         if not contributed and not any(isinstance(v, Mirrored) for v in values):
-            return self._record(cid, members, state, node, claim, values, reads)
+            return self._record(cid, members, state, node, claim, values, reads, made=made)
         mirrors = self.mirrors
         block = mirrors.block
         first = [m for m in members if block[m] == 0]

@@ -30,9 +30,10 @@ docs/templates.md gives the argument and what is *not* templated:
 - a stage whose formula needed unfolding of logical intermediates (`expand`
   changed it): unfolding reads the logical graph beyond the descriptor, so
   every such stage is built in full;
-- a stage of a group (a partial claim over several ranks), a stage that read
-  a collective's or another shard's value without a cut, a mirrored, moved or
-  accumulated value, a dp contribution, an opaque op: built in full as before;
+- a stage that read a mirrored, moved or accumulated value, a dp
+  contribution, an opaque op, or a collective with a member stood in for:
+  built in full as before (a group's stage — the sum of its members' parts —
+  and a collective's result are ops like any other: `parts`, `collective`);
 - cones of more than `MAX_CONE` ops.
 
 Offsets are absolute, so stages of different tensor-parallel ranks (which
@@ -91,15 +92,25 @@ class Templates:
     def op(self, node: Node, args: list, ctx: Context) -> tuple | None:
         """The provenance of an op's value from its arguments' (None when any is unknown or the cone is large);
         an op that reads the rank's coordinate (`COORDINATE_OPS`) holds the rank's position on those axes."""
-        if any(a is None for a in args):
-            return None
-        size = 1 + sum(a[2] for a in args)
-        if size > MAX_CONE:
-            return None
         sig = self.signature(node)
         if node.op in COORDINATE_OPS:
             sig = sig + (("at", ctx.group_position(node.attr["axes"])),)
-        return "o", sig, size, tuple(args)
+        return self._combined(sig, args)
+
+    def parts(self, made: list) -> tuple | None:
+        """The provenance of a group's stage value: the sum of its members' parts, in member order."""
+        return self._combined(("parts", len(made)), made)
+
+    def collective(self, node: Node, made: list, position: int) -> tuple | None:
+        """The provenance of group member `position`'s result of a collective over members whose inputs have
+        `made` (in member order): the group rule of its op and attributes on those inputs."""
+        return self._combined(self.signature(node) + (("at", position),), made)
+
+    def _combined(self, sig: tuple, made: list) -> tuple | None:
+        if any(a is None for a in made):
+            return None
+        size = 1 + sum(a[2] for a in made)
+        return None if size > MAX_CONE else ("o", sig, size, tuple(made))
 
     def klass(self, tensor: str) -> str:
         """A logical tensor as its atoms and definition show it: op, attributes, shape, dtype, its arguments'
