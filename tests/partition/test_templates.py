@@ -96,6 +96,30 @@ def test_templates_key_most_stages_without_building_them_and_change_no_stage(cla
     assert np.array_equal(on.copy_of, off.copy_of)
 
 
+def test_a_claimed_op_whose_template_was_built_is_not_computed(claimed, monkeypatch):
+    """Most template hits are never computed (`Deferred`); where one is asked for, its terms are the op's."""
+    plan, dims, claims = claimed
+    made, computed = [], []
+    init, terms = stages_module.Deferred.__init__, stages_module.Deferred.terms
+
+    def spy_init(self, *args):
+        init(self, *args)
+        made.append((self, list(self.args)))
+
+    def spy_terms(self):
+        computed.append(self)
+        return terms(self)
+    monkeypatch.setattr(stages_module.Deferred, "__init__", spy_init)
+    monkeypatch.setattr(stages_module.Deferred, "terms", spy_terms)
+    part = partition(plan, dims, claims, shards=False)
+    assert len(made) > 0.5 * part.templated
+    assert len(computed) < 0.1 * len(made)
+    from tv_ray.semantics.symbolic import eval_symbolic
+    for deferred, args in made[:50]:
+        want = eval_symbolic(deferred.node, args, deferred.dims, deferred.ctx)
+        assert all(a is b for a, b in zip(terms(deferred).reshape(-1), want.reshape(-1)))
+
+
 # -- a layer, a microbatch, a tensor-parallel rank, a ZeRO shard made different: each is its own template ---------
 def _mutated(plan, pick, override: int | None = None):
     """`plan` with every op `pick` selects given `other` ×1.5 (on rank `override` alone, when given)."""

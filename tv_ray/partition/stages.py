@@ -197,9 +197,29 @@ class Deferred:
         return self.real
 
 
+class Contribution:
+    """What a dp group member continues from after a contribution sum across the dp blocks: its block's
+    contribution to the slice (`LogicalTerms.contribution_of`). The group's all-reduce takes it for what it is
+    (`SymbolicRun._summed_contributions`: the slice's atoms), so it is built only if anything else reads it."""
+
+    __slots__ = ("logical", "tensor", "slices", "width", "shape", "real")
+
+    def __init__(self, logical: LogicalTerms, claim: Claim, width: int):
+        self.logical, self.tensor, self.slices, self.width = logical, claim.logical, claim.slices(), width
+        self.shape, self.real = claim.shape, None
+
+    def terms(self) -> np.ndarray:
+        if self.real is None:
+            self.real = self.logical.contribution_of(self.tensor, self.slices, self.width)
+        return self.real
+
+
+LATER = (Deferred, Contribution)
+
+
 def terms_of(value):
-    """A value's terms where it is a `Deferred` one; any other value as it is."""
-    return value.terms() if isinstance(value, Deferred) else value
+    """A value's terms where it is built when asked (`Deferred`, `Contribution`); any other value as it is."""
+    return value.terms() if isinstance(value, LATER) else value
 
 
 def fingerprint(value, reads) -> tuple:
@@ -212,7 +232,7 @@ def fingerprint(value, reads) -> tuple:
         return "moved", value.k, _digest(terms_of(value.base)), reads
     if isinstance(value, Accumulated):
         return "accumulated", tuple(sorted(value.ks)), _digest(terms_of(value.base)), reads
-    return "terms", _digest(value), reads
+    return "terms", _digest(terms_of(value)), reads
 
 
 def _digest(value: np.ndarray) -> tuple:
@@ -272,7 +292,7 @@ class SymbolicRun(StandIns, Scheduler):
         self._cuts0: dict[int, dict] = {}
         self._footprints: dict[int, dict] = {}
         # block 0's contributions its partial claims continue from: id -> (terms, tensor, slices); groups -> spans
-        self._contributed: dict[int, tuple[np.ndarray, str, tuple]] = {}
+        self._contributed: dict[int, tuple[Contribution, str, tuple]] = {}
         self._spans: dict[tuple[int, ...], bool] = {}
         self.moved = 0
         self.accumulated = 0        # stages of gradient accumulation recorded as microbatch 0's contribution
@@ -340,6 +360,8 @@ class SymbolicRun(StandIns, Scheduler):
     # -- the value domain --------------------------------------------------------------------
     def evaluate(self, state, node: Node, args):
         rank = state.rank
+        if any(isinstance(a, Contribution) for a in args):
+            args = [terms_of(a) for a in args]
         if any(isinstance(a, LAZY) for a in args):
             hit = self._moved(rank, node, args) or self._accumulate(node, args)
             if hit is not None:
@@ -416,7 +438,7 @@ class SymbolicRun(StandIns, Scheduler):
         if whole is not None:
             results = [whole for _ in members]
         else:
-            values = list(values)
+            values = [terms_of(v) for v in values]
             for i in mirrored:
                 values[i] = self._mirror(members, values, members[i], at)
             results = list(group_rule(node.op, values, node.attr))
@@ -539,7 +561,7 @@ class SymbolicRun(StandIns, Scheduler):
         cache = self._footprints.setdefault(rank, {})
         seen = cache.get(id(value))
         if seen is None or seen[0] is not value:
-            seen = cache[id(value)] = (value, self.moves.footprint(value))
+            seen = cache[id(value)] = (value, self.moves.footprint(terms_of(value)))
         blocks, parts = seen[1]
         return not parts and 0 not in blocks and k not in blocks
 
@@ -860,7 +882,7 @@ class SymbolicRun(StandIns, Scheduler):
         if self._contributes(members, claim):
             if rank in self.mirrored:
                 return Mirrored(claim.shape)
-            out = self.logical.contribution_of(claim.logical, claim.slices(), self.mirrors.width)
+            out = Contribution(self.logical, claim, self.mirrors.width)
             self._contributed[id(out)] = (out, claim.logical, claim.slices())
             return out
         position = members.index(rank)
@@ -966,26 +988,39 @@ class SymbolicRun(StandIns, Scheduler):
             mb=node.get_meta("mb"), position=len(self.obligations)))
 
     def resolve_copies(self) -> tuple[np.ndarray, np.ndarray]:
-        """(mirrored rank, index of the representative's stage) for every mirrored stage."""
+        """(mirrored rank, index of the representative's stage) for every mirrored stage: a whole or sliced
+        claim's stage is its representative's at the same op (found once per representative and op), a partial
+        one's the group of the representative's images."""
         index = {ob.id: i for i, ob in enumerate(self.obligations)}
         ranks, pcs = np.asarray(self.copied[0], dtype=np.int32), np.asarray(self.copied[1], dtype=np.int32)
         reps = np.empty(len(ranks), dtype=np.int32)
-        alone: dict[tuple[int, int], int] = {}      # (representative, op position) -> its stage, for a rank's own
-        for i, (rank, pc) in enumerate(zip(ranks.tolist(), pcs.tolist())):
-            hit = alone.get((self.mirrored[rank], pc))
-            if hit is None:
-                node = self.ranks[rank].program.nodes[pc]
-                partial = self.claims[self.mirrored[rank], node.name].partial
-                k = self.mirrors.block[rank]
-                rep = StageId.group(tuple(self.mirrors.image[k][m] for m in self.members(rank, partial)), node.name)
-                if rep not in index:
-                    raise Asymmetric(f"{self.plan.describe(rank)} {node.name} mirrors stage {rep}, which no "
-                                     f"representative recorded")
-                hit = index[rep]
-                if not partial:
-                    alone[self.mirrored[rank], pc] = hit
-            reps[i] = hit
+        if not len(ranks):
+            return ranks, reps
+        rep_of = np.full(self.plan.num_ranks, -1, dtype=np.int64)
+        rep_of[list(self.mirrored)] = list(self.mirrored.values())
+        where = rep_of[ranks] * (int(pcs.max()) + 1) + pcs
+        firsts, first_at, inverse = np.unique(where, return_index=True, return_inverse=True)
+        whole = np.empty(len(firsts), dtype=np.int64)      # the stage per (representative, op); -1: partial
+        for u, i in enumerate(first_at.tolist()):
+            whole[u] = self._resolve(int(ranks[i]), int(pcs[i]), index, alone=True)
+        reps[:] = whole[inverse]
+        for i in np.flatnonzero(reps < 0).tolist():
+            reps[i] = self._resolve(int(ranks[i]), int(pcs[i]), index, alone=False)
         return ranks, reps
+
+    def _resolve(self, rank: int, pc: int, index: dict, alone: bool) -> int:
+        """The representative's stage a mirrored rank's stage at op `pc` copies (-1 with `alone` for a partial
+        claim, whose stage is that of the group of images of the rank's own group)."""
+        node = self.ranks[rank].program.nodes[pc]
+        partial = self.claims[self.mirrored[rank], node.name].partial
+        if alone and partial:
+            return -1
+        k = self.mirrors.block[rank]
+        rep = StageId.group(tuple(self.mirrors.image[k][m] for m in self.members(rank, partial)), node.name)
+        if rep not in index:
+            raise Asymmetric(f"{self.plan.describe(rank)} {node.name} mirrors stage {rep}, which no "
+                             f"representative recorded")
+        return index[rep]
 
 
 def _memo_key(node: Node, args, members=()) -> tuple:
