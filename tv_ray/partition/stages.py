@@ -202,16 +202,19 @@ class Contribution:
     contribution to the slice (`LogicalTerms.contribution_of`). The group's all-reduce takes it for what it is
     (`SymbolicRun._summed_contributions`: the slice's atoms), so it is built only if anything else reads it."""
 
-    __slots__ = ("logical", "tensor", "slices", "width", "shape", "real")
+    __slots__ = ("logical", "claim", "width", "shape", "real")
 
     def __init__(self, logical: LogicalTerms, claim: Claim, width: int):
-        self.logical, self.tensor, self.slices, self.width = logical, claim.logical, claim.slices(), width
-        self.shape, self.real = claim.shape, None
+        self.logical, self.claim, self.width, self.shape, self.real = logical, claim, width, claim.shape, None
 
     def terms(self) -> np.ndarray:
         if self.real is None:
-            self.real = self.logical.contribution_of(self.tensor, self.slices, self.width)
+            self.real = self.logical.contribution_of(self.claim.logical, self.claim.slices(), self.width)
         return self.real
+
+    def summed(self) -> Claim:
+        """The slice every block's contribution sums to (a whole claim: its atoms)."""
+        return Claim(self.claim.logical, self.claim.offsets, self.claim.shape)
 
 
 LATER = (Deferred, Contribution)
@@ -291,8 +294,8 @@ class SymbolicRun(StandIns, Scheduler):
         self._parts0: dict[int, dict] = {}
         self._cuts0: dict[int, dict] = {}
         self._footprints: dict[int, dict] = {}
-        # block 0's contributions its partial claims continue from: id -> (terms, tensor, slices); groups -> spans
-        self._contributed: dict[int, tuple[Contribution, str, tuple]] = {}
+        # block 0's contributions its partial claims continue from, by id; groups -> do they span the dp blocks
+        self._contributed: dict[int, Contribution] = {}
         self._spans: dict[tuple[int, ...], bool] = {}
         self.moved = 0
         self.accumulated = 0        # stages of gradient accumulation recorded as microbatch 0's contribution
@@ -436,7 +439,9 @@ class SymbolicRun(StandIns, Scheduler):
         whole = self._summed_contributions(node, members, values)
         at = _positions(members)
         if whole is not None:
-            results = [whole for _ in members]
+            summed = whole.summed()
+            results = [self.logical.value_at(summed.logical, summed.slices()) for _ in members]
+            self._group_made = {m: leaf(summed) for m in members} if self.templates is not None else {}
         else:
             values = [terms_of(v) for v in values]
             for i in mirrored:
@@ -451,18 +456,18 @@ class SymbolicRun(StandIns, Scheduler):
                 results[i] = self._as_mirror(at, results, m, slots)
         return results
 
-    def _summed_contributions(self, node: Node, members, values) -> np.ndarray | None:
-        """The sum over a group spanning the dp blocks (`_spans_blocks`) of block 0's contribution to a slice of
-        a contribution sum and its mirrors' renamings — every block's contribution once: that slice's atoms.
+    def _summed_contributions(self, node: Node, members, values) -> Contribution | None:
+        """Block 0's contribution when a group spanning the dp blocks (`_spans_blocks`) sums it and its
+        mirrors' renamings — every block's contribution once: the slice's atoms (`Contribution.summed`).
         None for any other collective."""
         if node.op != Op.ALL_REDUCE or node.attr.get("reduce") != "sum" or not self._spans_blocks(members):
             return None
         held = [v for m, v in zip(members, values) if m not in self.mirrored]
         hit = self._contributed.get(id(held[0]))
-        if hit is None or hit[0] is not held[0] or \
+        if hit is not held[0] or \
                 not all(isinstance(v, Mirrored) and not v.same for m, v in zip(members, values) if m in self.mirrored):
             return None
-        return self.logical.value_at(hit[1], hit[2])
+        return hit
 
     def _contributes(self, members, claim: Claim) -> bool:
         """Is the claim a contribution sum over a group spanning the dp blocks? Then each member's part is its
@@ -883,7 +888,7 @@ class SymbolicRun(StandIns, Scheduler):
             if rank in self.mirrored:
                 return Mirrored(claim.shape)
             out = Contribution(self.logical, claim, self.mirrors.width)
-            self._contributed[id(out)] = (out, claim.logical, claim.slices())
+            self._contributed[id(out)] = out        # held here, so no other value takes its id
             return out
         position = members.index(rank)
         moved = self._moved_part(rank, claim, cid, position)
