@@ -45,6 +45,16 @@ def test_structurally_equal_terms_are_the_same_object():
     assert sample() is sample()
 
 
+@pytest.mark.parametrize("base", ["w", "layers.0.attn.q_proj.weight", ("stage", 3)], ids=str)
+def test_a_tensors_atoms_made_at_once_are_the_atoms_var_makes(base):
+    from tv_ray.terms.atom import Atom
+    from tv_ray.terms.term import atom_vars
+    indices = [(), (0,), (1, 2), (10, 0, 3)]
+    made = atom_vars(base, indices)
+    assert all(t is var(Atom(base, idx)) for t, idx in zip(made, indices))
+    assert [t.payload for t in made] == [Atom(base, idx) for idx in indices]
+
+
 def test_max_arguments_keep_their_order_in_the_constructor():
     x, y = var("x"), var("y")
     assert max_(x, y) is not max_(y, x)  # commutativity is the normaliser's recorded axiom, not the constructor's

@@ -30,15 +30,18 @@ import numpy as np
 from tv_ray.ir import Graph, Node, Op
 from tv_ray.ir.ops import VIEWS
 from tv_ray.partition.symmetry import Blocks
+from tv_ray.plan import gc_paused
 from tv_ray.semantics.symbolic import INF, NEG_INF, STRUCTURAL, choice, eval_symbolic
 from tv_ray.semantics.table import instantiate_shape
-from tv_ray.terms import Kind, Term, sum_, var
+from tv_ray.terms import Kind, Term, sum_
+from tv_ray.terms.term import atom_vars
 from tv_ray.terms.atom import Atom
 
 SHAPE_ONLY = frozenset({Op.FULL_LIKE})      # reads only its input's shape
 # ops whose result on variables (and nonzero scalars) is never a constant: the term constructors fold constants
-# and drop neutral elements but never cancel variables (`tv_ray.terms.term`), and apply no rule to a variable
-NEVER_CONSTANT = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.NEG, Op.SQRT, Op.RSQRT})
+# and drop neutral elements but never cancel variables (`tv_ray.terms.term`), and apply no rule to a variable;
+# a product of matrices of variables is a sum of products of variables over a nonempty inner dimension
+NEVER_CONSTANT = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.NEG, Op.SQRT, Op.RSQRT, Op.MM, Op.BMM})
 SCALARS = ("other", "alpha")
 MOVES_ELEMENTS = VIEWS | {Op.CLONE}         # each output element is one input element
 INFINITE = frozenset({INF, NEG_INF})
@@ -50,8 +53,7 @@ def atoms(base, shape: tuple[int, ...]) -> np.ndarray:
     """One variable per element of a tensor of `shape`, named `Atom(base, idx)` (base: a logical tensor's name,
     a `Part`, an opaque op's `StageId`)."""
     out = np.empty(shape, dtype=object)
-    for idx in np.ndindex(shape):
-        out[idx] = var(Atom(base, idx))
+    out.reshape(-1)[:] = atom_vars(base, np.ndindex(shape))
     return out
 
 
@@ -75,6 +77,11 @@ class LogicalTerms:
 
     @staticmethod
     def build(graph: Graph, dims: dict[str, int], blocks: Blocks | None = None) -> "LogicalTerms":
+        with gc_paused():       # millions of acyclic terms: the collector would walk them again and again (2.5x)
+            return LogicalTerms._build(graph, dims, blocks)
+
+    @staticmethod
+    def _build(graph: Graph, dims: dict[str, int], blocks: Blocks | None) -> "LogicalTerms":
         lt = LogicalTerms(graph, dims, nodes={n.name: n for n in graph.nodes}, blocks=blocks)
         small = blocks.small if blocks else dims
         varying = lt._varying     # floats computed from float inputs: these get atoms
@@ -128,8 +135,8 @@ class LogicalTerms:
                 any(isinstance(v, bool) or not isinstance(v, (int, float)) or v == 0
                     for k, v in node.attr.items() if k in SCALARS) or set(node.attr) - set(SCALARS):
             return False
-        shapes = [self.value[a].shape for a in node.args]
-        return np.broadcast_shapes(*shapes) == tuple(instantiate_shape(node.shape, self._dims_of(node.name)))
+        return _result_shape(node.op, [self.value[a].shape for a in node.args]) == \
+            tuple(instantiate_shape(node.shape, self._dims_of(node.name)))
 
     def _define(self, name: str) -> None:
         if name in self._later:
@@ -265,6 +272,18 @@ class LogicalTerms:
         if not kept:
             self._atomic.add(name)
         return arr
+
+
+def _result_shape(op: Op, shapes: list[tuple[int, ...]]) -> tuple[int, ...] | None:
+    """The shape an op of `NEVER_CONSTANT` gives on arguments of `shapes` (None: not a product over a nonempty
+    inner dimension, or shapes that do not fit)."""
+    try:
+        if op in (Op.MM, Op.BMM):
+            (*outer, rows, inner), (*batch, inner2, cols) = shapes
+            return tuple(outer) + (rows, cols) if inner == inner2 >= 1 and outer == batch else None
+        return np.broadcast_shapes(*shapes)
+    except ValueError:
+        return None
 
 
 __all__ = ["LogicalTerms", "atoms"]

@@ -29,7 +29,6 @@ never proved, while its refutations elsewhere still locate bugs.
 """
 from __future__ import annotations
 
-import gc
 import hashlib
 from array import array
 from collections import Counter
@@ -51,7 +50,7 @@ from tv_ray.partition.ids import Part, StageId
 from tv_ray.partition.standins import Mirrored, StandIns, constant
 from tv_ray.partition.symmetry import Mirrors, Moves
 from tv_ray.partition.templates import Templates, leaf, part
-from tv_ray.plan import Plan
+from tv_ray.plan import Plan, gc_paused
 from tv_ray.semantics.symbolic import as_dtype, eval_symbolic, group_rule
 from tv_ray.semantics.table import instantiate_shape
 from tv_ray.terms import Kind, Term, postorder, substitute, sum_
@@ -328,13 +327,10 @@ class SymbolicRun(StandIns, Scheduler):
     def run(self):
         # Python's cyclic collector would walk every term and array again and again as the heap grows (llama3-8b
         # dp=16,tp=8,pp=4,mb=32: stages 1,191 s with it, 929 s without); the run builds no cycles worth collecting
-        collecting = gc.isenabled()
-        gc.disable()
         try:
-            return super().run()
+            with gc_paused():
+                return super().run()
         finally:
-            if collecting:
-                gc.enable()
             if self.bar is not None:
                 self._show(self._stepped % BAR_STEP)
 

@@ -176,7 +176,11 @@ def _make(kind: Kind, payload, args: tuple[Term, ...]) -> Term:
     h.update(len(args).to_bytes(4, "big"))
     for a in args:
         h.update(a.digest)  # fixed 32 bytes each: the serialization is unambiguous
-    digest = h.digest()
+    return _intern(kind, payload, args, h.digest())
+
+
+def _intern(kind: Kind, payload, args: tuple[Term, ...], digest: bytes) -> Term:
+    """The one live term with `digest`, made if there is none."""
     ref = _TABLE.get(digest)
     if ref is not None:
         found = ref()
@@ -220,6 +224,20 @@ def var(name: "str | Atom") -> Term:
     if not isinstance(name, Atom) and (not isinstance(name, str) or not name):
         raise TermError(f"variable name {name!r} must be an Atom or a non-empty string")
     return _make(Kind.VAR, name, ())
+
+
+def atom_vars(base, indices: Iterable[tuple[int, ...]]) -> list[Term]:
+    """`var(Atom(base, idx))` for each index, the text of `base` formatted once (a tensor's atoms)."""
+    head, tag, none = f"{base}[".encode(), _TAGS[Kind.VAR], (0).to_bytes(4, "big")
+    out = []
+    for idx in indices:
+        p = head + ",".join(map(str, idx)).encode() + b"]"       # `str(Atom(base, idx))`, as `var` hashes it
+        h = hashlib.sha256(tag)
+        h.update(len(p).to_bytes(4, "big"))
+        h.update(p)
+        h.update(none)
+        out.append(_intern(Kind.VAR, Atom(base, idx), (), h.digest()))
+    return out
 
 
 def add(*args: Term) -> Term:
