@@ -75,3 +75,32 @@ def test_a_claim_that_does_not_hold_is_an_obligation_that_fails(plan):
     part = partition(plan, reduction.reduced, claims, symmetry=False)   # rank 1 cut at its own (false) claim
     ob = next(o for o in part.obligations if o.ranks == (1,) and o.tensor == tensor)
     assert solve(*part.formulas[ob.key]).verdict == "refuted"
+
+
+def test_an_all_reduce_of_a_partial_claims_own_parts_is_the_slice(monkeypatch):
+    """tp=2: a row-parallel output is a partial sum over tp, all-reduced. Each member brings its own free part
+    (the last one the slice minus the others'), so the sum is the slice identically: the result is its atoms,
+    recognised (`_summed_parts`), not summed — and the stages are those of the sum computed, keys aside."""
+    from tv_ray.partition.stages import SymbolicRun
+    plan = api.parallelize(api.capture_step("llama3-tiny", optim="adamw", clip=1.0), "tp=2", model="llama3-tiny")
+    dims = reduce_plan(plan).reduced
+    claims = claims_for(plan, dims)[1]
+    found = []
+    summed = SymbolicRun._summed_parts
+
+    def spy(self, node, members, values):
+        claim = summed(self, node, members, values)
+        found.append((claim, [self._free.get(id(v)) for v in values]))
+        return claim
+    monkeypatch.setattr(SymbolicRun, "_summed_parts", spy)
+    recognised = partition(plan, dims, claims, symmetry=False, templates=False)
+    hits = [(claim, parts) for claim, parts in found if claim is not None]
+    assert len(hits) > 10
+    assert all(claim.partial == ("tp",) and [p[3] for p in parts] == [0, 1] for claim, parts in hits)
+    monkeypatch.setattr(SymbolicRun, "_summed_parts", lambda self, node, members, values: None)
+    computed = partition(plan, dims, claims, symmetry=False, templates=False)
+    assert [(o.id, o.reads, o.claim) for o in recognised.obligations] == \
+        [(o.id, o.reads, o.claim) for o in computed.obligations]
+    from tv_ray.engine.solve import solve
+    changed = {o.key for o in computed.obligations} - {o.key for o in recognised.obligations}
+    assert changed and all(solve(*computed.formulas[k]).verdict == "proved" for k in changed)

@@ -14,7 +14,10 @@ from the claim instead of the computed terms:
   the last member — every split of the logical value into g summands, so a
   proof over these atoms holds for the actual split (a contribution sum over
   the dp blocks of a mirrored run: each member's block's contribution, which
-  its stage proves it is);
+  its stage proves it is); a sum all-reduce over that very group of those
+  very parts is the slice's atoms, for the parts sum to it identically
+  (`_summed_parts`; every block's contribution likewise,
+  `_summed_contributions`);
 - an obligation for a partial claim compares the group's sum with the slice.
 
 Program inputs continue from their boundary lineage (assumed); program
@@ -30,6 +33,7 @@ never proved, while its refutations elsewhere still locate bugs.
 from __future__ import annotations
 
 import hashlib
+import weakref
 from array import array
 from collections import Counter
 from dataclasses import dataclass, field
@@ -211,10 +215,6 @@ class Contribution:
             self.real = self.logical.contribution_of(self.claim.logical, self.claim.slices(), self.width)
         return self.real
 
-    def summed(self) -> Claim:
-        """The slice every block's contribution sums to (a whole claim: its atoms)."""
-        return Claim(self.claim.logical, self.claim.offsets, self.claim.shape)
-
 
 LATER = (Deferred, Contribution)
 
@@ -295,6 +295,8 @@ class SymbolicRun(StandIns, Scheduler):
         self._footprints: dict[int, dict] = {}
         # block 0's contributions its partial claims continue from, by id; groups -> do they span the dp blocks
         self._contributed: dict[int, Contribution] = {}
+        # every free part made (`_part`), by id: (the part, weakly), its claim, group and position
+        self._free: dict[int, tuple] = {}
         self._spans: dict[tuple[int, ...], bool] = {}
         self.moved = 0
         self.accumulated = 0        # stages of gradient accumulation recorded as microbatch 0's contribution
@@ -433,9 +435,10 @@ class SymbolicRun(StandIns, Scheduler):
             shape = self._shape(node)
             return [Mirrored(shape, values[0].same) for _ in values]
         whole = self._summed_contributions(node, members, values)
+        summed = whole.claim if whole is not None else self._summed_parts(node, members, values)
         at = _positions(members)
-        if whole is not None:
-            summed = whole.summed()
+        if summed is not None:          # the slice's atoms: a whole claim's continuation
+            summed = Claim(summed.logical, summed.offsets, summed.shape)
             results = [self.logical.value_at(summed.logical, summed.slices()) for _ in members]
             self._group_made = {m: leaf(summed) for m in members} if self.templates is not None else {}
         else:
@@ -901,7 +904,22 @@ class SymbolicRun(StandIns, Scheduler):
         if self._movable(rank) and self.moves.blocks.tags.get(claim.logical) is not None and \
                 self.moves.first(claim):
             self._parts0.setdefault(rank, {})[_where(claim), position] = (cid, out)
+        self._free[id(out)] = (weakref.ref(out), claim, members, position)
         return out
+
+    def _summed_parts(self, node: Node, members, values) -> Claim | None:
+        """The claim whose parts a sum all-reduce adds up, each member bringing its own part (`_part`) over the
+        claim's very group; None for any other collective. The parts sum to the slice identically — the last
+        member's is the slice minus the others' — so the result is the slice's atoms."""
+        if node.op != Op.ALL_REDUCE or node.attr.get("reduce") != "sum":
+            return None
+        claims = set()
+        for i, v in enumerate(values):
+            hit = self._free.get(id(v))
+            if hit is None or hit[0]() is not v or hit[2] != members or hit[3] != i:
+                return None
+            claims.add(hit[1])
+        return claims.pop() if len(claims) == 1 else None
 
     def _record_group(self, cid, members, state, node: Node, claim: Claim, values, reads,
                       made: tuple | None = None) -> None:
