@@ -1,16 +1,19 @@
 """Stage generation at scale, today's generator against one without a renaming, side by side in one run.
 
     python bench/scale.py [--configs "llama3-8b:32:dp=4,tp=8,pp=4,mb=8:512;..." | --sweep layers|tp|pp|dp|mb]
-                          [--out bench/results/scale.json] [--modes templates,baseline|stepped]
-                          [--plot bench/results/scale.png]
+                          [--out bench/results/scale.json] [--modes templates,baseline|stepped|before]
+                          [--before DIR] [--plot bench/results/scale.png]
 
 A config is MODEL:LAYERS:SPEC:BATCH (LAYERS overrides the model's depth: the sweeps over 4, 8, 16, 32 layers).
 Each (config, mode) runs in its own child process (their peaks do not add up): capture and plan, the claims,
 then the stages (`partition`, one process, whole: `--shards off`), AdamW and clipping on. Per row: wall seconds
 per phase, peak RSS, stages (obligations), stages keyed by template without being built, unique keys, and
-a digest of the stages (id, ranks, reads, claim) that must be the same in every mode. `templates` is today's
+a digest of the stages (id, ranks, reads, claim, key) that must be the same in every mode, and one without the
+keys (`stages_digest`: the same stages, whatever formula each was keyed by). `templates` is today's
 generator (stage templates, mirrored dp ranks stood in for); `baseline` is `templates=False`: every stage's
-formula built, as before templates; `stepped` steps every mirrored rank (`virtual=False`), as before stand-ins.
+formula built, as before templates; `stepped` steps every mirrored rank (`virtual=False`), as before stand-ins;
+`before` runs today's settings on the tv_ray of an earlier checkout (`--before DIR`: the same stages, the keys
+may differ where a formula changed).
 The first mode is compared with each other one (`side_by_side`).
 """
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -63,9 +67,11 @@ def measure(model: str, layers: int, spec: str, batch: int, mode: str) -> dict:
     claimed = time.perf_counter()
     part = partition(plan, dims, claims, found or not notes, shards=False, **MODES[mode])
     done = time.perf_counter()
-    h = hashlib.sha256()
+    h, stages = hashlib.sha256(), hashlib.sha256()
     for o in sorted(part.every(), key=lambda o: str(o.id)):
-        h.update(f"{o.id}|{o.ranks}|{[str(r) for r in o.reads]}|{o.claim}|{o.key}\n".encode())
+        line = f"{o.id}|{o.ranks}|{[str(r) for r in o.reads]}|{o.claim}"
+        stages.update(f"{line}\n".encode())
+        h.update(f"{line}|{o.key}\n".encode())
     return {"model": model, "layers": layers, "parallel": spec, "batch": batch, "ranks": plan.num_ranks,
             "templates": MODES[mode]["templates"], "mode": mode, "ops": ops_of(plan, range(plan.num_ranks)),
             "stages": part.size, "recorded": len(part.obligations), "templated": part.templated,
@@ -73,7 +79,7 @@ def measure(model: str, layers: int, spec: str, batch: int, mode: str) -> dict:
             "seconds": {"plan": round(planned - started, 1), "claims": round(claimed - planned, 1),
                         "stages": round(done - claimed, 1)},
             "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20, 2),
-            "digest": h.hexdigest()}
+            "digest": h.hexdigest(), "stages_digest": stages.hexdigest()}
 
 
 def main() -> int:
@@ -83,6 +89,8 @@ def main() -> int:
     parser.add_argument("--modes", default="templates,baseline")
     parser.add_argument("--out", default="bench/results/scale.json")
     parser.add_argument("--plot", default="")
+    parser.add_argument("--before", default="", help="a checkout of an earlier tree: mode `before` runs today's "
+                                                     "settings on its tv_ray")
     parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -96,21 +104,23 @@ def main() -> int:
         model, layers, spec, batch = config.split(":")
         got = {}
         for mode in args.modes.split(","):
-            child = subprocess.run([sys.executable, __file__, "--child", model, layers, spec, batch, mode],
-                                   capture_output=True, text=True)
+            env = {**os.environ, "PYTHONPATH": args.before} if mode == "before" else None
+            child = subprocess.run([sys.executable, __file__, "--child", model, layers, spec, batch,
+                                    "templates" if mode == "before" else mode], capture_output=True, text=True, env=env)
             if child.returncode:
                 print(child.stderr[-3000:], file=sys.stderr)
                 ok = False
                 continue
-            got[mode] = json.loads(child.stdout.strip().splitlines()[-1])
+            got[mode] = {**json.loads(child.stdout.strip().splitlines()[-1]), "mode": mode}
             print(json.dumps(got[mode]), flush=True)
         first, *others = args.modes.split(",")
         for other in others:
             if first in got and other in got:
                 t, b = got[first], got[other]
-                ok = ok and t["digest"] == b["digest"]
+                same = t.get("stages_digest", t["digest"]) == b.get("stages_digest", b["digest"])
+                ok = ok and same and (other == "before" or t["digest"] == b["digest"])
                 t.setdefault("side_by_side", {})[other] = {
-                    "stages_s": b["seconds"]["stages"], "same_stages": t["digest"] == b["digest"],
+                    "stages_s": b["seconds"]["stages"], "same_stages": same, "same_keys": t["digest"] == b["digest"],
                     "speedup": round(b["seconds"]["stages"] / max(t["seconds"]["stages"], 1e-9), 2),
                     "unique": b["unique"], "peak_rss_gib": b["peak_rss_gib"]}
         for row in got.values():

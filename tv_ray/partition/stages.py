@@ -457,7 +457,7 @@ class SymbolicRun(StandIns, Scheduler):
 
     def _summed_contributions(self, node: Node, members, values) -> Contribution | None:
         """Block 0's contribution when a group spanning the dp blocks (`_spans_blocks`) sums it and its
-        mirrors' renamings — every block's contribution once: the slice's atoms (`Contribution.summed`).
+        mirrors' renamings — every block's contribution once: the slice's atoms (its `claim`, whole).
         None for any other collective."""
         if node.op != Op.ALL_REDUCE or node.attr.get("reduce") != "sum" or not self._spans_blocks(members):
             return None
@@ -519,7 +519,8 @@ class SymbolicRun(StandIns, Scheduler):
             (self.mirrors is None or self.mirrors.block[rank] == 0)
 
     def _real(self, value):
-        """A `Moved`, `Accumulated` or `Deferred` value's terms (built once); any other value as it is."""
+        """A `Moved` or `Accumulated` value's terms (built once), or one `terms_of` builds; any other value as it
+        is."""
         if not isinstance(value, LAZY):
             return terms_of(value)
         if value.real is None and isinstance(value, Moved):
