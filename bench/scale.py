@@ -1,6 +1,6 @@
 """Stage generation at scale, today's generator against one without a renaming, side by side in one run.
 
-    python bench/scale.py [--configs "llama3-8b:32:dp=4,tp=8,pp=4,mb=8:512;..." | --sweep layers|tp|pp|dp|mb]
+    python bench/scale.py [--configs "llama3-8b:32:dp=4,tp=8,pp=4,mb=8:512;..." | --sweep layers|tp|pp|dp|mb|frontier]
                           [--out bench/results/scale.json] [--modes templates,baseline|stepped|before]
                           [--before DIR] [--plot bench/results/scale.png]
 
@@ -32,8 +32,15 @@ BASE = {"dp": 4, "tp": 8, "pp": 4, "mb": 8}       # the sweeps' centre: llama3-8
 SWEEPS = {"layers": (4, 8, 16, 32), "tp": (1, 2, 4, 8), "pp": (1, 2, 4), "dp": (1, 2, 4, 8), "mb": (1, 2, 4, 8)}
 
 
+# TrainVerify's configurations (AdamW, clip 1.0): the targets of issue 16
+FRONTIER = ("llama3-8b:32:dp=512:512;llama3-8b:32:dp=16,tp=8,pp=4,mb=32:512;"
+            "llama3-70b:80:dp=16,tp=8,pp=4,mb=32:512;llama3-405b:126:dp=64,tp=8,pp=16,mb=16:2048")
+
+
 def sweep(name: str) -> str:
-    """The configs of one sweep around `BASE` (every other degree held)."""
+    """The configs of one sweep around `BASE` (every other degree held), or `FRONTIER`."""
+    if name == "frontier":
+        return FRONTIER
     def config(layers: int, degrees: dict) -> str:
         spec = ",".join(f"{k}={v}" for k, v in degrees.items())
         return f"llama3-8b:{layers}:{spec}:{degrees['dp'] * degrees['mb']}"   # a sample per microbatch and dp rank
@@ -85,7 +92,8 @@ def measure(model: str, layers: int, spec: str, batch: int, mode: str) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--configs", default=DEFAULT)
-    parser.add_argument("--sweep", choices=sorted(SWEEPS), help="the configs of one sweep (instead of --configs)")
+    parser.add_argument("--sweep", choices=sorted(SWEEPS) + ["frontier"],
+                        help="the configs of one sweep, or TrainVerify's (instead of --configs)")
     parser.add_argument("--modes", default="templates,baseline")
     parser.add_argument("--out", default="bench/results/scale.json")
     parser.add_argument("--plot", default="")
