@@ -80,6 +80,7 @@ class Templates:
         self.hits = 0
         self._signatures: dict[int, tuple] = {}
         self._classes: dict[str, str] = {}
+        self._last: tuple = (None, None, "")     # (provenance, claim, template) of the last descriptor
 
     def signature(self, node: Node) -> tuple:
         """An op as the formula sees it: op, attributes and shape at the reduced dims, dtype."""
@@ -143,7 +144,10 @@ class Templates:
 
     def descriptor(self, provenance: tuple, claim: Claim) -> str:
         """The template of the stage whose computed value has `provenance`, cut at `claim` (see the module
-        docstring): the SHA-256 of its descriptor."""
+        docstring): the SHA-256 of its descriptor. The last one is kept: a claimed op not computed
+        (`SymbolicRun._deferred`) asks for it again when its stage is recorded."""
+        if self._last[0] is provenance and self._last[1] is claim:
+            return self._last[2]
         numbers: dict = {}
         rows: list = []
         memo: dict[int, int] = {}
@@ -176,8 +180,10 @@ class Templates:
         self.numbers = numbers       # which number each tensor and part got (what a renaming maps)
         order = self.logical.order
         ranks = tuple(sorted((t for t in numbers if isinstance(t, str)), key=order.__getitem__))
-        return hashlib.sha256(TEMPLATE_VERSION + repr((rows, claim_row(claim), args,
-                                                       tuple(numbers[t] for t in ranks))).encode()).hexdigest()
+        template = hashlib.sha256(TEMPLATE_VERSION + repr((rows, claim_row(claim), args,
+                                                           tuple(numbers[t] for t in ranks))).encode()).hexdigest()
+        self._last = (provenance, claim, template)
+        return template
 
 
 __all__ = ["Templates", "leaf", "part", "MAX_CONE", "COORDINATE_OPS", "TEMPLATE_VERSION"]
