@@ -1,7 +1,7 @@
 """Stage generation at scale, today's generator against one without a renaming, side by side in one run.
 
     python bench/scale.py [--configs "llama3-8b:32:dp=4,tp=8,pp=4,mb=8:512;..." | --sweep layers|tp|pp|dp|mb|frontier]
-                          [--out bench/results/scale.json] [--modes templates,baseline|stepped|before]
+                          [--out bench/results/scale.json] [--modes templates,baseline|stepped|before|workers2]
                           [--before DIR] [--plot bench/results/scale.png]
 
 A config is MODEL:LAYERS:SPEC:BATCH (LAYERS overrides the model's depth: the sweeps over 4, 8, 16, 32 layers).
@@ -13,7 +13,8 @@ keys (`stages_digest`: the same stages, whatever formula each was keyed by). `te
 generator (stage templates, mirrored dp ranks stood in for); `baseline` is `templates=False`: every stage's
 formula built, as before templates; `stepped` steps every mirrored rank (`virtual=False`), as before stand-ins;
 `before` runs today's settings on the tv_ray of an earlier checkout (`--before DIR`: the same stages, the keys
-may differ where a formula changed).
+may differ where a formula changed); `workers2` runs the stages as pipeline shards in two worker processes
+(`partition(shards=True)`, the local executor): 1 against 2 workers, the same stages and keys.
 The first mode is compared with each other one (`side_by_side`).
 """
 from __future__ import annotations
@@ -53,12 +54,14 @@ DEFAULT = sweep("layers")
 
 
 MODES = {"templates": {"templates": True, "virtual": True}, "baseline": {"templates": False, "virtual": True},
-         "stepped": {"templates": True, "virtual": False}}
+         "stepped": {"templates": True, "virtual": False}, "workers2": {"templates": True, "virtual": True}}
+WORKERS = {"workers2": 2}      # modes whose stages run as pipeline shards in that many worker processes
 
 
 def measure(model: str, layers: int, spec: str, batch: int, mode: str) -> dict:
     import tv_ray
     from tv_ray.models import get
+    from tv_ray.engine.executor import LocalExecutor
     from tv_ray.partition.derive import claims_for, unmirrored
     from tv_ray.partition.generate import ops_of, partition
     from tv_ray.partition.symmetry import find_mirrors
@@ -72,13 +75,13 @@ def measure(model: str, layers: int, spec: str, batch: int, mode: str) -> dict:
     found, notes = find_mirrors(plan, dims, True)
     claims = claims_for(plan, dims, 0, unmirrored(plan, found))[1]
     claimed = time.perf_counter()
-    part = partition(plan, dims, claims, found or not notes, shards=False, **MODES[mode])
+    workers = WORKERS.get(mode)
+    pool = LocalExecutor(workers) if workers else None
+    part = partition(plan, dims, claims, found or not notes, shards=bool(workers), **MODES[mode],
+                     generate=pool.map if pool else None, groups=workers or 1)
     done = time.perf_counter()
-    h, stages = hashlib.sha256(), hashlib.sha256()
-    for o in sorted(part.every(), key=lambda o: str(o.id)):
-        line = f"{o.id}|{o.ranks}|{[str(r) for r in o.reads]}|{o.claim}"
-        stages.update(f"{line}\n".encode())
-        h.update(f"{line}|{o.key}\n".encode())
+    if pool:
+        pool.close()
     return {"model": model, "layers": layers, "parallel": spec, "batch": batch, "ranks": plan.num_ranks,
             "templates": MODES[mode]["templates"], "mode": mode, "ops": ops_of(plan, range(plan.num_ranks)),
             "stages": part.size, "recorded": len(part.obligations), "templated": part.templated,
@@ -86,7 +89,41 @@ def measure(model: str, layers: int, spec: str, batch: int, mode: str) -> dict:
             "seconds": {"plan": round(planned - started, 1), "claims": round(claimed - planned, 1),
                         "stages": round(done - claimed, 1)},
             "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20, 2),
-            "digest": h.hexdigest(), "stages_digest": stages.hexdigest()}
+            "worker_peak_rss_gib": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2 ** 20, 2),
+            "workers": workers or 1, "shards": part.shards,
+            **digests(part)}
+
+
+EXPAND_LIMIT = 2_000_000      # stages from which the digests hash the recorded stages and the mirror map
+
+
+def digests(part) -> dict:
+    """`digest` (stages with keys), `stages_digest` (without them) and `copies_digest`. Up to `EXPAND_LIMIT`
+    stages, the first two cover every stage expanded (id, ranks, reads, claim), so a mode that steps the mirrored
+    ranks or runs pipeline shards compares equal, and there is no third; past it, they cover the recorded stages
+    (sorted by id) and the count of mirrored ones, and `copies_digest` the mirrored ones as (rank, its stage's
+    place in that order) — expanding tens of millions of mirrored stages in Python would take longer than
+    generating them. That map is one generation order's: a mirrored stage of a group spanning dp blocks is the
+    same stage from either block, so pipeline shards may point it elsewhere; it is compared between whole runs."""
+    keyed, bare = hashlib.sha256(), hashlib.sha256()
+    compact = part.size > EXPAND_LIMIT
+    stages = list(part.obligations if compact else part.every())
+    order = sorted(range(len(stages)), key=lambda i: str(stages[i].id))
+    for o in (stages[i] for i in order):
+        line = f"{o.id}|{o.ranks}|{[str(r) for r in o.reads]}|{o.claim}"
+        bare.update(f"{line}\n".encode())
+        keyed.update(f"{line}|{o.key}\n".encode())
+    out = {}
+    if compact:
+        import numpy as np
+        place = np.empty(len(stages), dtype=np.int64)
+        place[order] = np.arange(len(stages))
+        ranks, of = part.copy_ranks.astype(np.int64), place[part.copy_of]
+        order = np.lexsort((ranks, of))
+        out["copies_digest"] = hashlib.sha256(np.stack([ranks[order], of[order]]).tobytes()).hexdigest()
+        for h in (keyed, bare):
+            h.update(f"mirrored {part.mirrored}\n".encode())
+    return {"digest": keyed.hexdigest(), "stages_digest": bare.hexdigest(), **out}
 
 
 def main() -> int:
@@ -125,7 +162,8 @@ def main() -> int:
         for other in others:
             if first in got and other in got:
                 t, b = got[first], got[other]
-                same = t.get("stages_digest", t["digest"]) == b.get("stages_digest", b["digest"])
+                same = t.get("stages_digest", t["digest"]) == b.get("stages_digest", b["digest"]) and \
+                    (t.get("shards") or b.get("shards") or t.get("copies_digest") == b.get("copies_digest"))
                 ok = ok and same and (other == "before" or t["digest"] == b["digest"])
                 t.setdefault("side_by_side", {})[other] = {
                     "stages_s": b["seconds"]["stages"], "same_stages": same, "same_keys": t["digest"] == b["digest"],

@@ -13,7 +13,7 @@ from tv_ray.semantics import run_graph
 from tv_ray.partition.stages import LogicalTerms
 from tv_ray.semantics.symbolic import SymbolicError, choice, eval_symbolic, select
 from tv_ray.simulate import draw_inputs
-from tv_ray.terms import Kind, postorder, var
+from tv_ray.terms import Kind, Term, postorder, var
 from tv_ray.terms.atom import Atom
 from tv_ray.terms.onehot import is_indicator
 
@@ -65,8 +65,11 @@ def test_every_node_of_a_training_step_matches_the_concrete_rule(model):
             for idx in np.ndindex(values[spec.name].shape):
                 ints[Atom(spec.name, idx)] = int(values[spec.name][idx])
     atoms = {}
-    for term, (tensor, idx) in lt.atom_of.items():
-        atoms[term.payload] = float(values[tensor][idx])
+    for tensor, value in lt.value.items():
+        for idx in np.ndindex(value.shape):
+            term = value[idx]
+            if isinstance(term, Term) and lt.tensor_of(term) == tensor:
+                atoms[term.payload] = float(values[tensor][idx])
     checked = 0
     for node in graph.nodes:
         if node.dtype != "float":

@@ -17,12 +17,9 @@ from tv_ray.errors import TvRayError
 def stage_dag(boundary: Iterable[str], obligations) -> nx.DiGraph:
     """The DAG of `obligations` (each with `id` and `reads`) over the `boundary` input claims."""
     dag = nx.DiGraph()
-    for cid in boundary:
-        dag.add_node(cid, kind="boundary")
-    for ob in obligations:
-        dag.add_node(ob.id, kind="obligation")
-        for src in ob.reads:
-            dag.add_edge(src, ob.id)
+    dag.add_nodes_from(boundary, kind="boundary")
+    dag.add_nodes_from((ob.id for ob in obligations), kind="obligation")
+    dag.add_edges_from((src, ob.id) for ob in obligations for src in ob.reads)
     return dag
 
 

@@ -66,7 +66,6 @@ class LogicalTerms:
     value: dict[str, np.ndarray] = field(default_factory=dict)
     definition: dict[str, np.ndarray] = field(default_factory=dict)
     order: dict[str, int] = field(default_factory=dict)
-    atom_of: dict[Term, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
     nodes: dict[str, Node] = field(default_factory=dict)
     blocks: Blocks | None = None
     contribution: dict[str, np.ndarray] = field(default_factory=dict)   # block 0's part of a contribution sum
@@ -195,6 +194,16 @@ class LogicalTerms:
             found = self._contributions[at] = self._contribution_of(name, slices, width)
         return found
 
+    def contribution_sources(self, name: str) -> list[str]:
+        """The tensors a contribution sum's block-0 part (`contribution`) is built from: the views down to the
+        gathering op, then that op's arguments (their block-0 values)."""
+        chain = [name]
+        node = self.nodes[name]
+        while node.args[0] in self.contribution and not self._gathers(node):     # a view of a contribution sum
+            chain.append(node.args[0])
+            node = self.nodes[node.args[0]]
+        return chain + list(node.args)
+
     def _contribution_of(self, name: str, slices: tuple, width: int) -> np.ndarray:
         part = self.contribution[name][slices]
         out = np.empty(part.shape, dtype=object)
@@ -208,11 +217,10 @@ class LogicalTerms:
         return eval_symbolic(node, [self.whole(a) for a in node.args], self.dims)
 
     def tensor_of(self, atom: Term) -> str | None:
-        """The logical tensor an atom is an element of (None for other variables)."""
-        hit = self.atom_of.get(atom)
-        if hit is not None:
-            return hit[0]
-        if self.blocks is None or atom.kind is not Kind.VAR:
+        """The logical tensor an atom is an element of (None for other variables): an atom is named by its
+        tensor and index (`atoms`; in any block, renamed), and only tensors computed from float inputs have
+        atoms — every other variable is named otherwise (an int input's choice, a free part, an opaque op)."""
+        if atom.kind is not Kind.VAR:
             return None
         name = atom.payload
         return name.base if isinstance(name, Atom) and name.onehot is None and name.base in self._varying else None
@@ -223,11 +231,7 @@ class LogicalTerms:
         if not self._has_samples(name) and name in self.definition:
             values, definition = self.value[name], self.definition[name]
             return {values[idx]: definition[idx] for idx in np.ndindex(values.shape)}
-        out = {}
-        for atom in present:
-            hit = self.atom_of.get(atom)
-            out[atom] = self.element_definition(name, hit[1] if hit else atom.payload.idx)
-        return out
+        return {atom: self.element_definition(name, atom.payload.idx) for atom in present}
 
     def element_definition(self, name: str, idx: tuple[int, ...]) -> Term:
         """The definition of one element (any block)."""
@@ -263,12 +267,11 @@ class LogicalTerms:
         weight is exactly 0) keeps the constant, so structural zeros stay visible downstream."""
         arr = atoms(name, shape)
         kept = False
-        for idx in np.ndindex(shape):
-            if definition is not None and (definition[idx].kind is Kind.CONST or definition[idx] in INFINITE):
-                arr[idx] = definition[idx]
-                kept = True
-            else:
-                self.atom_of[arr[idx]] = (name, idx)
+        if definition is not None:
+            for idx in np.ndindex(shape):
+                if definition[idx].kind is Kind.CONST or definition[idx] in INFINITE:
+                    arr[idx] = definition[idx]
+                    kept = True
         if not kept:
             self._atomic.add(name)
         return arr

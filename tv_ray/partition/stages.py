@@ -53,7 +53,7 @@ from tv_ray.partition.logical import LogicalTerms, atoms
 from tv_ray.partition.ids import Part, StageId
 from tv_ray.partition.standins import Mirrored, StandIns, constant
 from tv_ray.partition.symmetry import Mirrors, Moves
-from tv_ray.partition.templates import Templates, leaf, part
+from tv_ray.partition.templates import Templates, contributed, leaf, part
 from tv_ray.plan import Plan, gc_paused
 from tv_ray.semantics.symbolic import as_dtype, eval_symbolic, group_rule
 from tv_ray.semantics.table import instantiate_shape
@@ -168,12 +168,13 @@ class Moved:
 class Accumulated:
     """A sum over microbatches never computed: microbatch 0's `base` plus its renamings to each other
     microbatch in `ks` (gradient accumulation of `Moved` values). Recorded at its cut as microbatch 0's
-    contribution alone (`SymbolicRun._accumulated`); built only when it meets anything else."""
+    contribution alone (`SymbolicRun._accumulated`); built only when it meets anything else. `made`: the
+    base's provenance (None: unknown), the template of that stage."""
 
-    __slots__ = ("base", "ks", "shape", "real")
+    __slots__ = ("base", "ks", "shape", "real", "made")
 
-    def __init__(self, base: np.ndarray, ks: frozenset[int]):
-        self.base, self.ks, self.shape, self.real = base, ks, base.shape, None
+    def __init__(self, base: np.ndarray, ks: frozenset[int], made: tuple | None = None):
+        self.base, self.ks, self.shape, self.real, self.made = base, ks, base.shape, None, made
 
 
 LAZY = (Moved, Accumulated)
@@ -364,7 +365,7 @@ class SymbolicRun(StandIns, Scheduler):
         if any(isinstance(a, Contribution) for a in args):
             args = [terms_of(a) for a in args]
         if any(isinstance(a, LAZY) for a in args):
-            hit = self._moved(rank, node, args) or self._accumulate(node, args)
+            hit = self._moved(rank, node, args) or self._accumulate(state, node, args)
             if hit is not None:
                 return hit
             args = [self._real(a) for a in args]
@@ -533,9 +534,10 @@ class SymbolicRun(StandIns, Scheduler):
                 value.real[idx] = sum_([r[idx] for r in renamed])
         return value.real
 
-    def _accumulate(self, node: Node, args) -> Accumulated | None:
+    def _accumulate(self, state, node: Node, args) -> Accumulated | None:
         """The sum of microbatch 0's value and its renamings (or of such sums), kept as the set of blocks
-        renamed to; None when the summands are not renamings of one value to distinct blocks."""
+        renamed to, with the provenance of microbatch 0's value; None when the summands are not renamings of
+        one value to distinct blocks."""
         if node.op != Op.ADD or len(args) != 2:
             return None
         bases = [a.base for a in args if isinstance(a, LAZY)]
@@ -545,11 +547,13 @@ class SymbolicRun(StandIns, Scheduler):
               else frozenset({0}) if a is bases[0] else None for a in args]
         if None in ks or ks[0] & ks[1] or args[0].shape != args[1].shape:
             return None
-        return Accumulated(bases[0], ks[0] | ks[1])
+        made = [a.made if isinstance(a, Accumulated) else self.provenance.get((state.rank, name)) if a is bases[0]
+                else None for a, name in zip(args, node.args)]
+        return Accumulated(bases[0], ks[0] | ks[1], made[0] or made[1])
 
-    def _accumulated(self, claim: Claim, values, width: int):
-        """(microbatch 0's parts, block 0's contribution) when every value sums the renamings of one part to
-        blocks [0, width) and the claim is their contribution sum; else None.
+    def _accumulated(self, claim: Claim, values, width: int) -> list[Accumulated] | None:
+        """The values, when each sums the renamings of one part to blocks [0, width) and the claim is their
+        contribution sum: their stage is microbatch 0's parts against block 0's contribution; else None.
 
         Sound by renaming: each value is Σₖ σₖ(part) (σₖ the microbatch renaming, a bijection on variables);
         part ≡ c₀ (block 0's contribution, this stage's obligation) gives σₖ(part) ≡ σₖ(c₀) = cₖ, and Σₖ cₖ
@@ -559,7 +563,7 @@ class SymbolicRun(StandIns, Scheduler):
                 not all(isinstance(v, Accumulated) and v.ks == blocks for v in values):
             return None
         self.accumulated += 1
-        return [v.base for v in values], self.logical.contribution_of(claim.logical, claim.slices(), 1)
+        return values
 
     def _fixed(self, rank: int, value, k: int) -> bool:
         """Does renaming microbatch 0 to k leave the value alone (no sample of block 0 or k, no free part)?"""
@@ -849,7 +853,7 @@ class SymbolicRun(StandIns, Scheduler):
                 self._copy_groups(state, cid, members)
             reads = frozenset().union(*(parts[m][1] for m in members))
             values = [parts[m][0] for m in members]
-            summed = self.templates.parts([parts[m][2] for m in members]) if self.templates is not None else None
+            made = [parts[m][2] for m in members]
             kinds = {_kind(v) for v in values}
             if copied and len(kinds) > 1 and kinds & {"same", "renamed"}:
                 raise Asymmetric(f"stage {cid}: mirrored and computed parts of one all-mirrored group "
@@ -857,7 +861,7 @@ class SymbolicRun(StandIns, Scheduler):
             if copied and kinds & {"same", "renamed"}:
                 self._copy(state)
             elif not self._moved_stage(cid, members, state, node, claim, values, reads):
-                self._record_group(cid, members, state, node, claim, values, reads, summed)
+                self._record_group(cid, members, state, node, claim, values, reads, made)
                 self._remember(members, node, claim, values)
         if copied and isinstance(value, Mirrored):
             return Mirrored(claim.shape), None
@@ -870,9 +874,13 @@ class SymbolicRun(StandIns, Scheduler):
         return leaf(claim) if self.templates is not None and isinstance(value, np.ndarray) else None
 
     def _continued(self, rank: int, members, claim: Claim, cid: StageId, value) -> tuple | None:
-        """The provenance of what a rank continues from after a cut: the claim's atoms, or a free part of it
-        (None for a mirrored, moved or contributed value, which no template covers)."""
-        if self.templates is None or not isinstance(value, np.ndarray):
+        """The provenance of what a rank continues from after a cut: the claim's atoms, a free part of it, or
+        its dp block's contribution to it (None for a mirrored or moved value, which no template covers)."""
+        if self.templates is None:
+            return None
+        if isinstance(value, Contribution):
+            return contributed(value.claim, value.width)
+        if not isinstance(value, np.ndarray):
             return None
         if not claim.partial:
             return leaf(claim)
@@ -922,15 +930,16 @@ class SymbolicRun(StandIns, Scheduler):
             claims.add(hit[1])
         return claims.pop() if len(claims) == 1 else None
 
-    def _record_group(self, cid, members, state, node: Node, claim: Claim, values, reads,
-                      made: tuple | None = None) -> None:
+    def _record_group(self, cid, members, state, node: Node, claim: Claim, values, reads, made: list) -> None:
         """A partial claim's group is complete: the group's sum against the slice (mirrored parts renamed),
         or, for a contribution sum whose group spans every dp block evenly, dp block 0's part alone. Where the
         members already continue from their blocks' contributions (`_part`), it must be the latter. `made`:
-        the provenance of the group's sum (`Templates.parts`), its template."""
+        the provenance of each member's part; their sum's (`Templates.parts`) gives the stage's template."""
+        templates = self.templates
         contributed = self._contributes(members, claim)
         if not contributed and not any(isinstance(v, Mirrored) for v in values):
-            return self._record(cid, members, state, node, claim, values, reads, made=made)
+            return self._record(cid, members, state, node, claim, values, reads,
+                                made=templates.parts(made) if templates is not None else None)
         mirrors = self.mirrors
         block = mirrors.block
         first = [m for m in members if block[m] == 0]
@@ -941,15 +950,24 @@ class SymbolicRun(StandIns, Scheduler):
             all(isinstance(v, Mirrored) for m, v in zip(members, values) if block[m] != 0)
         if claim.logical in self.logical.contribution and even and renamed:
             part = [v for m, v in zip(members, values) if block[m] == 0]
-            part, rhs = self._accumulated(claim, part, mirrors.width) or \
-                (part, self.logical.contribution_of(claim.logical, claim.slices(), mirrors.width))
-            return self._record(cid, members, state, node, claim, part, reads, rhs=rhs)
+            accumulated = self._accumulated(claim, part, mirrors.width)
+            if accumulated is not None:
+                return self._record_accumulated(cid, members, state, node, claim, accumulated, reads)
+            made = templates.parts([p for m, p in zip(members, made) if block[m] == 0]) if templates else None
+            return self._record(cid, members, state, node, claim, part, reads, made=made, width=mirrors.width)
         if contributed:
             odd = [f"rank {m}: {_kind(v)}" for m, v in zip(members, values) if m in self.mirrored and _kind(v) != "renamed"]
             raise Asymmetric(f"stage {cid}: a contribution sum across the dp blocks whose parts are not block 0's "
                              f"renamed ({', '.join(odd[:4])}{', …' if len(odd) > 4 else ''})")
         values = [self._mirror(members, values, m) if isinstance(v, Mirrored) else v for m, v in zip(members, values)]
         return self._record(cid, members, state, node, claim, values, reads)
+
+    def _record_accumulated(self, cid, members, state, node: Node, claim: Claim, accumulated, reads) -> None:
+        """The stage of a gradient accumulation over microbatches: microbatch 0's parts summed against block 0's
+        contribution (`_accumulated`); its template that of their provenances summed."""
+        made = [a.made for a in accumulated]
+        made = self.templates.parts(made) if self.templates is not None else None
+        self._record(cid, members, state, node, claim, [a.base for a in accumulated], reads, made=made, width=1)
 
     def _copy(self, state) -> None:
         """A stage of mirrored ranks: its representative's, renamed; only where it sits is kept (the
@@ -958,19 +976,24 @@ class SymbolicRun(StandIns, Scheduler):
         self.copied[1].append(state.pc)
 
     def _record(self, cid, members, state, node: Node, claim: Claim, values, reads, rhs=None,
-                made: tuple | None = None) -> None:
-        """The stage's obligation: its key from its template when one was seen (`made`: the provenance of a
-        one-rank stage's value), else from its formula, built here."""
+                made: tuple | None = None, width: int = 0) -> None:
+        """The stage's obligation: its key from its template when one was seen (`made`: the provenance of the
+        stage's value), else from its formula, built here. `width`: the stage of a contribution sum, whose
+        value is dp block 0's part of it and its claim blocks [0, width)'s contribution."""
+        if not width and rhs is None and self.moves is not None:    # an accumulation over every block of the batch
+            accumulated = self._accumulated(claim, values, self.moves.blocks.count)
+            if accumulated is not None:
+                return self._record_accumulated(cid, members, state, node, claim, accumulated, reads)
         template = None
         if made is not None and rhs is None:
-            template = self.templates.descriptor(made, claim)
+            template = self.templates.descriptor(made, claim, width)
             key = self.templates.built.get(template)
             if key:                          # a renaming of a stage built before: its key, no terms
                 self.templates.hits += 1
                 self._append(cid, members, state, node, claim, key, reads)
                 return
-        if rhs is None and self.moves is not None:      # an accumulation over every block of the batch
-            values, rhs = self._accumulated(claim, values, self.moves.blocks.count) or (values, None)
+        if width:
+            rhs = self.logical.contribution_of(claim.logical, claim.slices(), width)
         values = [as_dtype(self._real(v), "float") for v in values]
         lhs = [sum_([v[idx] for v in values]) for idx in np.ndindex(claim.shape)]
         if rhs is None and _logical_atoms(lhs, self.logical) == {claim.logical}:

@@ -43,6 +43,8 @@ order of recording may differ.
 """
 from __future__ import annotations
 
+from array import array
+
 import numpy as np
 
 from tv_ray.errors import Asymmetric
@@ -81,6 +83,7 @@ class StandIns:
         """Stand in for the mirrored ranks when `virtual` and every rank off dp 0 is mirrored."""
         mirrors = self.mirrors
         self.mirrors_of: dict[int, list[int]] = {}
+        self._copies: dict[int, array] = {}                # representative -> its mirrors (`_copy_mirrors`)
         self._kinds: dict[tuple[int, str], object] = {}    # (representative, value) -> its mirrors' kind there
         self._stood: dict[int, object] = {}               # representative -> its mirrors' kind of a collective result
         self._part_kinds: dict[StageId, dict[int, object]] = {}
@@ -90,6 +93,7 @@ class StandIns:
         self.virtual = frozenset(mirrors.rep)
         for rank in sorted(mirrors.rep):
             self.mirrors_of.setdefault(mirrors.rep[rank], []).append(rank)
+        self._copies = {rep: array("i", ranks) for rep, ranks in self.mirrors_of.items()}
         self.active = [state for state in self.active if state.rank not in self.virtual]
 
     def _mirror_kind(self, state, node: Node):
@@ -208,9 +212,10 @@ class StandIns:
 
     def _copy_mirrors(self, state) -> None:
         """A representative's whole or sliced cut: each of its mirrors' copy of the stage."""
-        for m in self.mirrors_of.get(state.rank, ()):
-            self.copied[0].append(m)
-            self.copied[1].append(state.pc)
+        ranks = self._copies.get(state.rank)
+        if ranks:
+            self.copied[0].extend(ranks)
+            self.copied[1].extend(array("i", (state.pc,)) * len(ranks))
 
     def _part_arrived(self, cid: StageId, members, rank: int, kind) -> None:
         if kind is not None and kind is not SAME and not any(m in self.virtual for m in members):

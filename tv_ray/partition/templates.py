@@ -30,10 +30,13 @@ docs/templates.md gives the argument and what is *not* templated:
 - a stage whose formula needed unfolding of logical intermediates (`expand`
   changed it): unfolding reads the logical graph beyond the descriptor, so
   every such stage is built in full;
-- a stage that read a mirrored, moved or accumulated value, a dp
-  contribution, an opaque op, or a collective with a member stood in for:
+- a stage that read a mirrored, moved or accumulated value, an opaque op,
+  or a collective with a member stood in for:
   built in full as before (a group's stage — the sum of its members' parts —
-  and a collective's result are ops like any other: `parts`, `collective`);
+  and a collective's result are ops like any other: `parts`, `collective`;
+  a contribution sum's stage, dp block 0's parts against blocks [0, width)'s
+  contribution, adds what that contribution is built from: `descriptor`;
+  so does a dp block 0 member's continuation after one: `contributed`);
 - cones of more than `MAX_CONE` ops.
 
 Offsets are absolute, so stages of different tensor-parallel ranks (which
@@ -55,7 +58,7 @@ from tv_ray.terms.atom import Atom
 
 MAX_CONE = 64          # physical ops since the last cuts beyond which a stage is not templated
 COORDINATE_OPS = frozenset({Op.AXIS_INDEX, Op.LOCAL_CHUNK})   # their value is a function of the rank's coordinate
-TEMPLATE_VERSION = b"tv-ray-template/2"
+TEMPLATE_VERSION = b"tv-ray-template/3"
 
 
 def leaf(claim: Claim) -> tuple:
@@ -66,6 +69,12 @@ def leaf(claim: Claim) -> tuple:
 def part(claim: Claim, position: int, size: int, cid: StageId) -> tuple:
     """The provenance of group member `position`'s free part of a partial claim over `size` ranks."""
     return ("p", claim, 1, position, size, cid)
+
+
+def contributed(claim: Claim, width: int) -> tuple:
+    """The provenance of what a dp block 0 member continues from after a contribution sum across the dp
+    blocks: blocks [0, width)'s contribution to the claim's slice (`LogicalTerms.contribution_of`)."""
+    return ("k", claim, 1, width)
 
 
 class Templates:
@@ -80,7 +89,7 @@ class Templates:
         self.hits = 0
         self._signatures: dict[int, tuple] = {}
         self._classes: dict[str, str] = {}
-        self._last: tuple = (None, None, "")     # (provenance, claim, template) of the last descriptor
+        self._last: tuple = (None, None, "", 0)  # (provenance, claim, template, width) of the last descriptor
 
     def signature(self, node: Node) -> tuple:
         """An op as the formula sees it: op, attributes and shape at the reduced dims, dtype."""
@@ -142,11 +151,13 @@ class Templates:
             return ("input", spec.dtype, tuple(instantiate_shape(spec.shape, self.dims)))
         return self.signature(node)
 
-    def descriptor(self, provenance: tuple, claim: Claim) -> str:
+    def descriptor(self, provenance: tuple, claim: Claim, width: int = 0) -> str:
         """The template of the stage whose computed value has `provenance`, cut at `claim` (see the module
-        docstring): the SHA-256 of its descriptor. The last one is kept: a claimed op not computed
-        (`SymbolicRun._deferred`) asks for it again when its stage is recorded."""
-        if self._last[0] is provenance and self._last[1] is claim:
+        docstring): the SHA-256 of its descriptor. With `width`, the stage of a contribution sum: its value is
+        dp block 0's part, its claim blocks [0, width)'s contribution (`LogicalTerms.contribution_of`), which
+        adds the tensors that contribution is built from, each with its samples' dimension. The last one is
+        kept: a claimed op not computed (`SymbolicRun._deferred`) asks for it again when its stage is recorded."""
+        if self._last[0] is provenance and self._last[1] is claim and self._last[3] == width:
             return self._last[2]
         numbers: dict = {}
         rows: list = []
@@ -157,6 +168,10 @@ class Templates:
 
         def claim_row(c: Claim) -> tuple:
             return (number(c.logical), self.klass(c.logical), c.offsets, c.shape, c.partial)
+
+        def contribution_rows(tensor: str) -> tuple:      # what a contribution to `tensor` is built from
+            tags = self.logical.blocks.tags
+            return tuple((number(t), self.klass(t), repr(tags.get(t))) for t in self.logical.contribution_sources(tensor))
 
         stack = [(provenance, False)]
         while stack:                  # post-order over the provenance DAG, shared nodes once
@@ -171,19 +186,22 @@ class Templates:
                 row = ("c",) + claim_row(p[1])
             elif p[0] == "p":
                 row = ("p",) + claim_row(p[1]) + (p[3], p[4], number(("part", p[5])))
+            elif p[0] == "k":
+                row = ("k",) + claim_row(p[1]) + (p[3], contribution_rows(p[1].logical))
             else:
                 row = ("o", p[1], tuple(memo[id(a)] for a in p[3]))
             memo[id(p)] = len(rows)
             rows.append(row)
         node = self.logical.nodes.get(claim.logical)
         args = () if node is None else tuple((number(a), self.klass(a)) for a in node.args)
+        contributed = contribution_rows(claim.logical) if width else ()
         self.numbers = numbers       # which number each tensor and part got (what a renaming maps)
         order = self.logical.order
         ranks = tuple(sorted((t for t in numbers if isinstance(t, str)), key=order.__getitem__))
-        template = hashlib.sha256(TEMPLATE_VERSION + repr((rows, claim_row(claim), args,
+        template = hashlib.sha256(TEMPLATE_VERSION + repr((rows, claim_row(claim), args, width, contributed,
                                                            tuple(numbers[t] for t in ranks))).encode()).hexdigest()
-        self._last = (provenance, claim, template)
+        self._last = (provenance, claim, template, width)
         return template
 
 
-__all__ = ["Templates", "leaf", "part", "MAX_CONE", "COORDINATE_OPS", "TEMPLATE_VERSION"]
+__all__ = ["Templates", "leaf", "part", "contributed", "MAX_CONE", "COORDINATE_OPS", "TEMPLATE_VERSION"]
