@@ -935,11 +935,9 @@ class SymbolicRun(StandIns, Scheduler):
         or, for a contribution sum whose group spans every dp block evenly, dp block 0's part alone. Where the
         members already continue from their blocks' contributions (`_part`), it must be the latter. `made`:
         the provenance of each member's part; their sum's (`Templates.parts`) gives the stage's template."""
-        templates = self.templates
         contributed = self._contributes(members, claim)
         if not contributed and not any(isinstance(v, Mirrored) for v in values):
-            return self._record(cid, members, state, node, claim, values, reads,
-                                made=templates.parts(made) if templates is not None else None)
+            return self._record(cid, members, state, node, claim, values, reads, made=self._summed(made))
         mirrors = self.mirrors
         block = mirrors.block
         first = [m for m in members if block[m] == 0]
@@ -953,7 +951,7 @@ class SymbolicRun(StandIns, Scheduler):
             accumulated = self._accumulated(claim, part, mirrors.width)
             if accumulated is not None:
                 return self._record_accumulated(cid, members, state, node, claim, accumulated, reads)
-            made = templates.parts([p for m, p in zip(members, made) if block[m] == 0]) if templates else None
+            made = self._summed([p for m, p in zip(members, made) if block[m] == 0])
             return self._record(cid, members, state, node, claim, part, reads, made=made, width=mirrors.width)
         if contributed:
             odd = [f"rank {m}: {_kind(v)}" for m, v in zip(members, values) if m in self.mirrored and _kind(v) != "renamed"]
@@ -965,9 +963,12 @@ class SymbolicRun(StandIns, Scheduler):
     def _record_accumulated(self, cid, members, state, node: Node, claim: Claim, accumulated, reads) -> None:
         """The stage of a gradient accumulation over microbatches: microbatch 0's parts summed against block 0's
         contribution (`_accumulated`); its template that of their provenances summed."""
-        made = [a.made for a in accumulated]
-        made = self.templates.parts(made) if self.templates is not None else None
-        self._record(cid, members, state, node, claim, [a.base for a in accumulated], reads, made=made, width=1)
+        self._record(cid, members, state, node, claim, [a.base for a in accumulated], reads,
+                     made=self._summed([a.made for a in accumulated]), width=1)
+
+    def _summed(self, made: list) -> tuple | None:
+        """The provenance of a sum of parts in this order (`Templates.parts`); None without templates."""
+        return self.templates.parts(made) if self.templates is not None else None
 
     def _copy(self, state) -> None:
         """A stage of mirrored ranks: its representative's, renamed; only where it sits is kept (the
@@ -975,25 +976,24 @@ class SymbolicRun(StandIns, Scheduler):
         self.copied[0].append(state.rank)
         self.copied[1].append(state.pc)
 
-    def _record(self, cid, members, state, node: Node, claim: Claim, values, reads, rhs=None,
-                made: tuple | None = None, width: int = 0) -> None:
+    def _record(self, cid, members, state, node: Node, claim: Claim, values, reads, made: tuple | None = None,
+                width: int = 0) -> None:
         """The stage's obligation: its key from its template when one was seen (`made`: the provenance of the
         stage's value), else from its formula, built here. `width`: the stage of a contribution sum, whose
         value is dp block 0's part of it and its claim blocks [0, width)'s contribution."""
-        if not width and rhs is None and self.moves is not None:    # an accumulation over every block of the batch
+        if not width and self.moves is not None:       # an accumulation over every block of the batch
             accumulated = self._accumulated(claim, values, self.moves.blocks.count)
             if accumulated is not None:
                 return self._record_accumulated(cid, members, state, node, claim, accumulated, reads)
         template = None
-        if made is not None and rhs is None:
+        if made is not None:
             template = self.templates.descriptor(made, claim, width)
             key = self.templates.built.get(template)
             if key:                          # a renaming of a stage built before: its key, no terms
                 self.templates.hits += 1
                 self._append(cid, members, state, node, claim, key, reads)
                 return
-        if width:
-            rhs = self.logical.contribution_of(claim.logical, claim.slices(), width)
+        rhs = self.logical.contribution_of(claim.logical, claim.slices(), width) if width else None
         values = [as_dtype(self._real(v), "float") for v in values]
         lhs = [sum_([v[idx] for v in values]) for idx in np.ndindex(claim.shape)]
         if rhs is None and _logical_atoms(lhs, self.logical) == {claim.logical}:
