@@ -1,7 +1,7 @@
 """Stage generation at scale, today's generator against one without a renaming, side by side in one run.
 
     python bench/scale.py [--configs "llama3-8b:32:dp=4,tp=8,pp=4,mb=8:512;..." | --sweep layers|tp|pp|dp|mb|frontier]
-                          [--out bench/results/scale.json] [--modes templates,baseline|stepped|before|workers2]
+                          [--out bench/results/scale.json] [--modes templates,baseline|stepped|evaluated|before|workers2]
                           [--before DIR] [--plot bench/results/scale.png]
 
 A config is MODEL:LAYERS:SPEC:BATCH (LAYERS overrides the model's depth: the sweeps over 4, 8, 16, 32 layers).
@@ -12,9 +12,11 @@ a digest of the stages (id, ranks, reads, claim, key) that must be the same in e
 keys (`stages_digest`: the same stages, whatever formula each was keyed by). `templates` is today's
 generator (stage templates, mirrored dp ranks stood in for); `baseline` is `templates=False`: every stage's
 formula built, as before templates; `stepped` steps every mirrored rank (`virtual=False`), as before stand-ins;
-`before` runs today's settings on the tv_ray of an earlier checkout (`--before DIR`: the same stages, the keys
-may differ where a formula changed); `workers2` runs the stages as pipeline shards in two worker processes
-(`partition(shards=True)`, the local executor): 1 against 2 workers, the same stages and keys.
+`evaluated` evaluates every op of microbatches k > 0 (`renamed=False`: none taken as its microbatch 0
+counterpart's renamed, `tv_ray.partition.microbatches`); `before` runs today's settings on the tv_ray of an
+earlier checkout (`--before DIR`: the same stages, the keys may differ where a formula changed); `workers2` runs
+the stages as pipeline shards in two worker processes (`partition(shards=True)`, the local executor): 1 against 2
+workers, the same stages and keys.
 The first mode is compared with each other one (`side_by_side`).
 """
 from __future__ import annotations
@@ -54,7 +56,8 @@ DEFAULT = sweep("layers")
 
 
 MODES = {"templates": {"templates": True, "virtual": True}, "baseline": {"templates": False, "virtual": True},
-         "stepped": {"templates": True, "virtual": False}, "workers2": {"templates": True, "virtual": True}}
+         "stepped": {"templates": True, "virtual": False}, "workers2": {"templates": True, "virtual": True},
+         "evaluated": {"templates": True, "virtual": True, "renamed": False}}
 WORKERS = {"workers2": 2}      # modes whose stages run as pipeline shards in that many worker processes
 
 

@@ -37,7 +37,7 @@ from tv_ray.partition.dag import depths, stage_dag
 from tv_ray.partition.logical import LogicalTerms
 from tv_ray.partition.stages import Obligation, Partition, SymbolicRun
 from tv_ray.partition.symmetry import Blocks, Mirrors, Moves, find_mirrors, microbatch_moves
-from tv_ray.plan import Plan
+from tv_ray.plan import Plan, gc_paused
 from tv_ray.terms import Term, from_table, to_table
 
 SHARD_MIN = 1_000_000       # ops stepped (every rank's program) from which a plan with pipeline stages is sharded
@@ -65,6 +65,7 @@ class ShardRun:
     assumed: dict[tuple, tuple]
     unformed: dict[str, str]
     templated: int
+    renamed: int
 
     def __getstate__(self) -> dict:
         sides = [(len(lhs), len(rhs)) for lhs, rhs in self.formulas.values()]
@@ -105,19 +106,22 @@ def pipeline_shards(plan: Plan, claims: dict[tuple[int, str], Claim]) -> list[fr
 class Renamings:
     """The renamings a generation uses: dp mirrors (`virtual`: stood in for, never stepped,
     `tv_ray.partition.standins`), microbatch moves, the blocks of samples the logical graph is built for, and
-    stage templates (`tv_ray.partition.templates`)."""
+    stage templates (`tv_ray.partition.templates`); `renamed`: microbatch k's ops taken as microbatch 0's renamed
+    without evaluating them (`tv_ray.partition.microbatches`; off: each evaluated, the same stages)."""
 
     mirrors: Mirrors | None = None
     moves: Moves | None = None
     blocks: Blocks | None = None
     templates: bool = True
     virtual: bool = True
+    renamed: bool = True
 
     def run(self, plan: Plan, dims: dict[str, int], logical: LogicalTerms, claims, bar=None,
             owned: frozenset[int] | None = None) -> SymbolicRun:
-        run = SymbolicRun(plan, dims, logical, claims, self.mirrors, self.moves, bar, owned=owned,
-                          templates=self.templates, virtual=self.virtual)
-        run.run()
+        with gc_paused():       # setting up allocates per rank and input: the collector would walk every term
+            run = SymbolicRun(plan, dims, logical, claims, self.mirrors, self.moves, bar, owned=owned,
+                              templates=self.templates, virtual=self.virtual, renamed=self.renamed)
+            run.run()
         return run
 
 
@@ -133,7 +137,7 @@ def run_shards(plan: Plan, dims: dict[str, int], claims: dict[tuple[int, str], C
         ranks, reps = run.resolve_copies()
         out.append(ShardRun(run.obligations, run.formulas, ranks, reps, run.boundary,
                             run.notes + _incomplete(run.pending), run.moved, run.accumulated, run.sent, run.assumed,
-                            run.unformed, _hits(run)))
+                            run.unformed, _hits(run), run.renamed))
     return out
 
 
@@ -176,13 +180,14 @@ def merge(runs: list[ShardRun], mirrors: Mirrors | None = None, symmetry: list[s
                      {k: why for run in runs for k, why in run.unformed.items()})
     part.shards = len(runs)
     part.templated = sum(r.templated for r in runs)
+    part.renamed = sum(r.renamed for r in runs)
     return part
 
 
 def partition(plan: Plan, dims: dict[str, int], claims: dict[tuple[int, str], Claim],
               symmetry: "bool | Mirrors" = True, progress: bool = False, shards: bool | None = None,
               generate: Generate | None = None, groups: int = 1, templates: bool = True,
-              complete: bool = True, virtual: bool = True) -> Partition:
+              complete: bool = True, virtual: bool = True, renamed: bool = True) -> Partition:
     """Run the plan symbolically with cuts at `claims`; the obligations and the stage DAG.
 
     With `symmetry` (True, or the plan's `mirrors` already found), the logical graph is built for one block
@@ -197,6 +202,7 @@ def partition(plan: Plan, dims: dict[str, int], claims: dict[tuple[int, str], Cl
     `templates`: a stage whose template was seen takes that stage's key without its terms being built.
     `virtual`: mirrored ranks are stood in for, never stepped (`tv_ray.partition.standins`; where that ends in
     `Asymmetric`, they are stepped — the same stages).
+    `renamed`: microbatch k's ops taken as microbatch 0's renamed, not evaluated (`tv_ray.partition.microbatches`).
     `complete`: `claims` hold every rank's claims (False: the mirrored ranks' are their representatives', and
     where symmetry fails during the run, `ClaimsMissing` asks for theirs)."""
     found, notes = (symmetry, []) if isinstance(symmetry, Mirrors) else find_mirrors(plan, dims, symmetry)
@@ -206,7 +212,8 @@ def partition(plan: Plan, dims: dict[str, int], claims: dict[tuple[int, str], Cl
     split = pipeline_shards(plan, claims) if shards or (shards is None and total >= SHARD_MIN) else None
     logical = cache(lambda: LogicalTerms.build(plan.logical, dims, blocks))   # built here once, if needed here
     bar = tqdm(total=total, disable=not progress, unit="op", desc="generating", file=sys.stderr, dynamic_ncols=True)
-    renamings = Renamings(found, moves, blocks, templates, virtual and found is not None and not found.notes)
+    renamings = Renamings(found, moves, blocks, templates, virtual and found is not None and not found.notes,
+                          renamed)
     try:
         try:
             return _mirrored(plan, dims, claims, renamings, logical, notes, split, bar, generate, groups)
@@ -217,8 +224,8 @@ def partition(plan: Plan, dims: dict[str, int], claims: dict[tuple[int, str], Cl
                 raise ClaimsMissing(f"data-parallel symmetry failed during the run ({why}) and the claims of the "
                                     f"mirrored ranks were never built; run with --no-symmetry") from None
             bar.reset()
-            return _run(plan, dims, claims, Renamings(None, None, blocks, templates), logical, notes, split, bar,
-                        generate, groups)
+            return _run(plan, dims, claims, Renamings(None, None, blocks, templates, renamed=renamed), logical, notes,
+                        split, bar, generate, groups)
     finally:
         bar.close()
 
@@ -253,7 +260,7 @@ def _run(plan, dims, claims, renamings: Renamings, logical, notes, split, bar, g
     run.notes += _incomplete(run.pending)
     part = _assemble(run.obligations, run.boundary, run.notes, run.formulas, symmetry, copies, found, run.moved,
                      run.accumulated, run.unformed)
-    part.templated = _hits(run)
+    part.templated, part.renamed = _hits(run), run.renamed
     return part
 
 

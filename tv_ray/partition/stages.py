@@ -51,6 +51,7 @@ from tv_ray.partition.claims import Claim
 from tv_ray.partition.keys import content_digests, formula_key
 from tv_ray.partition.logical import LogicalTerms, atoms
 from tv_ray.partition.ids import Part, StageId
+from tv_ray.partition.microbatches import LAZY, Accumulated, Moved, Renamed, place
 from tv_ray.partition.standins import Mirrored, StandIns, constant
 from tv_ray.partition.symmetry import Mirrors, Moves
 from tv_ray.partition.templates import Templates, contributed, leaf, part
@@ -110,6 +111,7 @@ class Partition:
     accumulated: int = 0            # gradient accumulation stages proved as microbatch 0's contribution
     shards: int = 0                 # pipeline shards the stages were generated in (0: one run)
     templated: int = 0              # stages keyed from their template, their terms never built
+    renamed: int = 0                # ops of microbatches k > 0 taken as microbatch 0's renamed, never evaluated
     stood_in: int = 0               # mirrored ranks never stepped (`tv_ray.partition.standins`)
 
     @property
@@ -153,31 +155,6 @@ class Partition:
         for i, n in zip(*np.unique(self.copy_of, return_counts=True)):
             counts[self.obligations[i].key] += int(n)
         return counts
-
-
-class Moved:
-    """A value of microbatch k never computed: microbatch 0's `base` renamed (`Moves.rename`), built only when
-    it meets a value that is not (`SymbolicRun._real`)."""
-
-    __slots__ = ("base", "k", "shape", "real")
-
-    def __init__(self, base: np.ndarray, k: int):
-        self.base, self.k, self.shape, self.real = base, k, base.shape, None
-
-
-class Accumulated:
-    """A sum over microbatches never computed: microbatch 0's `base` plus its renamings to each other
-    microbatch in `ks` (gradient accumulation of `Moved` values). Recorded at its cut as microbatch 0's
-    contribution alone (`SymbolicRun._accumulated`); built only when it meets anything else. `made`: the
-    base's provenance (None: unknown), the template of that stage."""
-
-    __slots__ = ("base", "ks", "shape", "real", "made")
-
-    def __init__(self, base: np.ndarray, ks: frozenset[int], made: tuple | None = None):
-        self.base, self.ks, self.shape, self.real, self.made = base, ks, base.shape, None, made
-
-
-LAZY = (Moved, Accumulated)
 
 
 class Deferred:
@@ -246,7 +223,7 @@ def _digest(value: np.ndarray) -> tuple:
                                                 for t in flat)).hexdigest()
 
 
-class SymbolicRun(StandIns, Scheduler):
+class SymbolicRun(StandIns, Renamed, Scheduler):
     """The scheduler on object arrays of terms, cutting at claims and recording obligations.
 
     With `mirrors`, a mirrored rank (`tv_ray.partition.symmetry`) steps
@@ -269,7 +246,10 @@ class SymbolicRun(StandIns, Scheduler):
     left alone by the renaming, gives that result renamed without computing,
     and where such a value is cut at a claim that is microbatch 0's claim
     moved to block k, the stage is microbatch 0's renamed: it takes that
-    stage's key, and its terms are never built. Gradient accumulation — the
+    stage's key, and its terms are never built. An op paired with its
+    counterpart in microbatch 0 (`tv_ray.partition.microbatches`) is not even
+    looked up: its arguments, checked to be its counterpart's renamed, give
+    its value and its stage. Gradient accumulation — the
     sum of a value of microbatch 0 and its renamings — stays a sum of
     renamings (`Accumulated`); cut at a contribution sum over those blocks, its
     stage is microbatch 0's part against block 0's contribution.
@@ -278,7 +258,7 @@ class SymbolicRun(StandIns, Scheduler):
     def __init__(self, plan: Plan, dims: dict[str, int], logical: LogicalTerms,
                  claims: dict[tuple[int, str], Claim], mirrors: Mirrors | None = None, moves: Moves | None = None,
                  bar: tqdm | None = None, owned: frozenset[int] | None = None, templates: bool = True,
-                 virtual: bool = False):
+                 virtual: bool = False, renamed: bool = True):
         self.logical, self.claims, self.mirrors, self.moves, self.bar = logical, claims, mirrors, moves, bar
         # each value's provenance (`tv_ray.partition.templates`): what a stage's descriptor is made of
         self.templates = Templates(logical, dims) if templates else None
@@ -315,11 +295,13 @@ class SymbolicRun(StandIns, Scheduler):
         self._received: frozenset[str] = frozenset()
         self.boundary: dict[str, Claim] = {}
         self._shapes: dict[int, tuple[int, ...]] = {}     # id(node) -> its shape at dims (nodes live in the plan)
+        self._info: dict[int, tuple] = {}                 # id(node) -> what its stages record of it (`_append`)
         # values crossing to or from ranks another shard owns: (src, dst, tag, n) -> `fingerprint`
         self.sent: dict[tuple, tuple] = {}
         self.assumed: dict[tuple, tuple] = {}
         self._crossed: Counter = Counter()
         self._sends: dict[int, dict] = {}
+        self._pair_microbatches(plan, renamed)   # `tv_ray.partition.microbatches`: microbatch k's ops renamed
         rank_inputs = self._inputs(plan)
         super().__init__(plan, dims, rank_inputs, keep=False)
         if owned is not None:
@@ -354,6 +336,7 @@ class SymbolicRun(StandIns, Scheduler):
                 inputs[rank][spec.name] = value = (Mirrored(claim.shape) if rank in self.mirrored
                                                    else self._continuation(rank, claim))
                 self.provenance[rank, spec.name] = self._input_provenance(claim, value)
+                self._keep_input(rank, spec.name, value)
                 cid = StageId.input(rank, spec.name)
                 self.sources[rank, spec.name] = frozenset({cid})
                 self.boundary[cid] = claim
@@ -606,11 +589,11 @@ class SymbolicRun(StandIns, Scheduler):
             return self.logical.value_at(claim.logical, claim.slices())
         conts = self._conts.setdefault(rank, {})
         moved = self.moves.split(claim)
-        if moved is not None and (base := conts.get(_where(moved[1]))) is not None:
+        if moved is not None and (base := conts.get(place(moved[1]))) is not None:
             return Moved(base, moved[0])
         value = self.logical.value_at(claim.logical, claim.slices())
         if moved is None and self.moves.blocks.tags.get(claim.logical) is not None and self.moves.first(claim):
-            conts[_where(claim)] = value
+            conts[place(claim)] = value
         return value
 
     def _moved_part(self, rank: int, claim: Claim, cid: StageId, position: int) -> Moved | None:
@@ -619,7 +602,7 @@ class SymbolicRun(StandIns, Scheduler):
         if not self._movable(rank):
             return None
         moved = self.moves.split(claim)
-        entry = self._parts0.get(rank, {}).get((_where(moved[1]), position)) if moved else None
+        entry = self._parts0.get(rank, {}).get((place(moved[1]), position)) if moved else None
         if entry is None or not self.moves.pair(moved[0], entry[0], cid):
             return None
         return Moved(entry[1], moved[0])
@@ -634,7 +617,7 @@ class SymbolicRun(StandIns, Scheduler):
             return False
         if moved is not None and moved[0] != values[0].k:
             return False
-        where = _where(moved[1] if moved is not None else claim)
+        where = place(moved[1] if moved is not None else claim)
         entries = [self._cuts0.get(m, {}).get(where) for m in members]
         if any(e is None or not (e[1] is v.base or _identical(terms_of(e[1]).reshape(-1),
                                                               terms_of(v.base).reshape(-1)))
@@ -655,7 +638,7 @@ class SymbolicRun(StandIns, Scheduler):
             return
         for m, v in zip(members, values):
             if self._movable(m) and isinstance(v, (np.ndarray, Deferred)):
-                self._cuts0.setdefault(m, {})[_where(claim)] = (len(self.obligations) - 1, v)
+                self._cuts0.setdefault(m, {})[place(claim)] = (len(self.obligations) - 1, v)
 
     def _claim(self, rank: int, tensor: str) -> Claim | None:
         """A rank's claim on a tensor: a mirrored rank's is its representative's, moved to its block."""
@@ -806,6 +789,14 @@ class SymbolicRun(StandIns, Scheduler):
             self.sources[state.rank, node.name] = self._reads(state, node)
             self._kind_after(state, node, kind)
         self.provenance[state.rank, node.name] = made
+        self._keep(state, node, value)
+        self._passed(state, node, value)
+
+    def _compute(self, state, node: Node) -> bool:
+        return self._renamed(state, node) or super()._compute(state, node)
+
+    def _passed(self, state, node: Node, value) -> None:
+        """The rank steps past the op with `value`; what nothing reads again is dropped."""
         freed = self.frees[state.name][state.pc]
         super()._advance(state, node, value)
         self._stepped += 1
@@ -818,7 +809,8 @@ class SymbolicRun(StandIns, Scheduler):
         if state.done:
             if self.bar is not None:
                 self.bar.update(self._stood_in_ops(state))
-            for held in (self._memo, self._conts, self._parts0, self._cuts0, self._footprints):
+            for held in (self._memo, self._conts, self._parts0, self._cuts0, self._footprints, self._kept,
+                         self._stage_at):
                 held.pop(state.rank, None)
 
     def _cut(self, state, node: Node, value, claim: Claim, made: tuple | None = None, kind=None):
@@ -837,6 +829,7 @@ class SymbolicRun(StandIns, Scheduler):
             if not self._moved_stage(cid, members, state, node, claim, [value], reads):
                 self._record(cid, members, state, node, claim, [value], reads, made=made)
                 self._remember(members, node, claim, [value])
+                self._staged(rank, node)
             out = self._continuation(rank, claim)
             if not self._own_cuts(state, node, claim, kind, value, reads, out):
                 self._copy_mirrors(state)
@@ -912,7 +905,7 @@ class SymbolicRun(StandIns, Scheduler):
                 out[idx] = target[idx] - sum_([f[idx] for f in free])
         if self._movable(rank) and self.moves.blocks.tags.get(claim.logical) is not None and \
                 self.moves.first(claim):
-            self._parts0.setdefault(rank, {})[_where(claim), position] = (cid, out)
+            self._parts0.setdefault(rank, {})[place(claim), position] = (cid, out)
         self._free[id(out)] = (weakref.ref(out), claim, members, position)
         return out
 
@@ -1024,11 +1017,15 @@ class SymbolicRun(StandIns, Scheduler):
         self._append(cid, members, state, node, claim, key, reads)
 
     def _append(self, cid, members, state, node: Node, claim: Claim, key: str, reads) -> None:
+        info = self._info.get(id(node))      # nodes live in the plan
+        if info is None:
+            meta = dict(node.meta)
+            info = self._info[id(node)] = (str(node.op), meta.get("module") or "", meta.get("phase") or "",
+                                           meta.get("realises") or "", meta.get("mb"))
+        op, module, phase, realises, mb = info
         self.obligations.append(Obligation(
-            id=cid, ranks=members, program=state.name, tensor=node.name, claim=claim, key=key,
-            reads=tuple(sorted(reads, key=str)), op=str(node.op), module=node.get_meta("module", "") or "",
-            phase=node.get_meta("phase", "") or "", realises=node.get_meta("realises", "") or "",
-            mb=node.get_meta("mb"), position=len(self.obligations)))
+            cid, members, state.name, node.name, claim, key, tuple(reads) if len(reads) < 2 else
+            tuple(sorted(reads, key=str)), op, module, phase, realises, mb, len(self.obligations)))
 
     def resolve_copies(self) -> tuple[np.ndarray, np.ndarray]:
         """(mirrored rank, index of the representative's stage) for every mirrored stage: a whole or sliced
@@ -1068,10 +1065,6 @@ class SymbolicRun(StandIns, Scheduler):
 
 def _memo_key(node: Node, args, members=()) -> tuple:
     return (node.op, node.attrs, node.shape, node.dtype, members, tuple(id(a) for a in args))
-
-
-def _where(claim: Claim) -> tuple:
-    return claim.logical, claim.offsets, claim.shape, claim.partial
 
 
 def _positions(members) -> dict[int, int]:

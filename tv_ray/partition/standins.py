@@ -117,6 +117,12 @@ class StandIns:
             raise Asymmetric(f"the mirrors of {self.plan.describe(state.rank)} mix mirrored values at {node.name}")
         return mirrored.pop() if mirrored else CONSTANT
 
+    def _renamed_throughout(self, rank: int, node: Node) -> bool:
+        """Do the mirrors of `rank` hold its values renamed at the op's arguments, constants aside, so its result
+        renamed too (what `_mirror_kind` gives when no argument is the same, nor a mirror's own)?"""
+        kinds = [self._kinds.get((rank, a)) for a in node.args]
+        return all(k is None or k is CONSTANT for k in kinds) and any(k is None for k in kinds)
+
     def _own_op(self, state, node: Node, kinds) -> dict:
         """Each mirror computes an op on values of its own (and constants, the representative's), as stepping it
         would: its own result."""

@@ -1,0 +1,69 @@
+"""Microbatch k's ops taken as microbatch 0's renamed without evaluating them (`tv_ray.partition.microbatches`):
+the same stages, order and keys as evaluating every op, and an op that is not its counterpart's renamed is
+evaluated — a microbatch that differs is verified, not renamed."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from tv_ray.engine.driver import verify_plan
+from tv_ray.engine.executor import LocalExecutor
+from tv_ray.engine.solve import Budget
+from tv_ray.ir import Op
+from tv_ray.parallel.spec import ParallelSpec
+from tv_ray.partition.generate import partition
+from tv_ray.partition.microbatches import counterparts
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+from mutants import _like, edit, with_program  # noqa: E402
+
+
+def _stages(part) -> list[tuple]:
+    return [(o.id, o.ranks, o.key, o.reads, o.claim, o.position, o.mb) for o in part.every()]
+
+
+@pytest.mark.parametrize("spec", ["dp=2,tp=2,pp=2,mb=4", ParallelSpec.parse("tp=2,pp=2,mb=4", sp=True)],
+                         ids=str)
+def test_renamed_ops_give_the_stages_of_evaluating_every_op(claimed, spec):
+    plan, dims, claims = claimed(spec)
+    on, off = partition(plan, dims, claims, shards=False), partition(plan, dims, claims, shards=False, renamed=False)
+    assert off.renamed == 0 and on.renamed > 1000 and on.moved == off.moved > 1000
+    assert _stages(on) == _stages(off)
+    assert (on.copy_ranks.tolist(), on.copy_of.tolist(), on.notes) == (off.copy_ranks.tolist(), off.copy_of.tolist(),
+                                                                       off.notes)
+    assert on.formulas.keys() == off.formulas.keys()
+
+
+def test_each_op_of_a_microbatch_pairs_with_microbatch_0s_at_its_place(claimed):
+    plan = claimed("pp=2,mb=4")[0]
+    for name, program in plan.programs.items():
+        pairs = counterparts(program)
+        nodes = {n.name: n for n in program.nodes}
+        later = [n for n in program.nodes if (n.get_meta("mb") or 0) > 0]
+        assert pairs and set(pairs) <= {n.name for n in later}
+        for mine, theirs in pairs.items():
+            assert nodes[theirs].get_meta("mb") == 0 and nodes[theirs].op == nodes[mine].op
+            assert nodes[theirs].get_meta("realises") == nodes[mine].get_meta("realises")
+        # a send or receive carries its microbatch's tag: never paired, so always stepped
+        assert not any(nodes[m].op in (Op.SEND, Op.RECV) for m in pairs)
+        assert all(n.name in pairs for n in later if n.op not in (Op.SEND, Op.RECV)), name
+
+
+def _verify(plan):
+    return verify_plan(plan, budget=Budget(solvers=("z3",)), executor=LocalExecutor(jobs=1), progress=False)
+
+
+def test_an_op_reading_another_microbatchs_value_is_evaluated_and_refuted_there(claimed):
+    """mm_3@2 reads microbatch 1's attention output: the same op as its counterpart mm_3@0 on σ₁ of its
+    argument, so its value is microbatch 0's renamed to block 1 — and its claim, block 2's, is not that."""
+    plan = claimed("mb=4")[0]
+    program = plan.programs["main"]
+    mm = program.value("mm_3@2")
+    wrong = _like(mm, "mm_3@2", "mm", ["view_11@1", mm.args[1]])
+    mutant = with_program(plan, "main", edit(program, "main", change={"mm_3@2": wrong}))
+    outcome = _verify(mutant)
+    first = outcome.first_refuted()
+    assert outcome.status == "refuted" and outcome.partition.renamed > 500
+    assert (str(first.id), first.mb, first.module) == ("r0/mm_3@2", 2, "layers.0.attn.o_proj")

@@ -1,0 +1,182 @@
+"""Microbatch k's ops taken as microbatch 0's renamed, without evaluating them.
+
+With microbatch symmetry (`tv_ray.partition.symmetry.Moves`) a value of
+microbatch k ≥ 1 is `Moved`: microbatch 0's value under σₖ, the renaming of
+variables that swaps sample block 0 with block k (and the free parts paired
+with it). `SymbolicRun` finds such values by evaluating each op of
+microbatch k on them (`_moved`: a memo of microbatch 0's ops by their
+arguments) and each stage by comparing its terms with microbatch 0's
+(`_moved_stage`): about 90 µs per op, most of a frontier plan's generation,
+where nearly every op is a cut.
+
+Here each op of microbatch k is paired, once per program, with the op at the
+same place among microbatch 0's (`counterparts`: the same op, attributes,
+shape, dtype and arity). At the op, on a rank reading block 0, it is taken as
+its counterpart's value renamed when, argument by argument, the value it
+reads is σₖ of what the counterpart read: a `Moved` value of that very object
+(identity) with the same k, or the very same tensor (same name) whose value
+σₖ leaves alone (no sample of block 0 or k, no free part). Then
+
+    op(σₖ a₁, …, σₖ aₙ) = σₖ op(a₁, …, aₙ)
+
+(a renaming of variables commutes with every symbolic rule; the rank, so
+its coordinate, is the same), so its value is `Moved(counterpart's, k)`.
+At a cut of a whole or sliced claim that is the counterpart's claim moved to
+block k (`Moves.split`), the stage's formula is σₖ of the counterpart's
+stage's formula — valid exactly when that one is, with its key — so it is
+recorded with that key, and the run continues from the claim as
+`_continuation` would. Anything else (a partial claim, a mirrored rank's
+own values, an argument that is not σₖ of the counterpart's) is stepped as
+before: the pairing is a hypothesis that the arguments confirm or refute at
+every op, never an assumption that microbatches are alike. The stages, their
+order and keys are those of stepping every op (tests/partition/
+test_microbatches.py compares them).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from tv_ray.ir import Graph
+from tv_ray.partition.ids import StageId
+
+SIGNATURE = ("op", "attrs", "shape", "dtype")
+
+
+class Moved:
+    """A value of microbatch k never computed: microbatch 0's `base` renamed (`Moves.rename`), built only when
+    it meets a value that is not (`SymbolicRun._real`)."""
+
+    __slots__ = ("base", "k", "shape", "real")
+
+    def __init__(self, base: np.ndarray, k: int):
+        self.base, self.k, self.shape, self.real = base, k, base.shape, None
+
+
+class Accumulated:
+    """A sum over microbatches never computed: microbatch 0's `base` plus its renamings to each other
+    microbatch in `ks` (gradient accumulation of `Moved` values). Recorded at its cut as microbatch 0's
+    contribution alone (`SymbolicRun._accumulated`); built only when it meets anything else. `made`: the
+    base's provenance (None: unknown), the template of that stage."""
+
+    __slots__ = ("base", "ks", "shape", "real", "made")
+
+    def __init__(self, base: np.ndarray, ks: frozenset[int], made: tuple | None = None):
+        self.base, self.ks, self.shape, self.real, self.made = base, ks, base.shape, None, made
+
+
+LAZY = (Moved, Accumulated)
+
+
+def counterparts(program: Graph) -> dict[str, str]:
+    """Each op of a microbatch k ≥ 1 → the op at the same place among microbatch 0's ops, where both are the
+    same op (kind, attributes, shape, dtype, arity); a microbatch with another number of ops has none."""
+    by_mb: dict[int, list] = {}
+    for node in program.nodes:
+        mb = node.get_meta("mb")
+        if mb is not None:
+            by_mb.setdefault(mb, []).append(node)
+    first = by_mb.get(0, [])
+    pairs = {}
+    for k, nodes in by_mb.items():
+        if k == 0 or len(nodes) != len(first):
+            continue
+        for node, base in zip(nodes, first):
+            if len(node.args) == len(base.args) and \
+                    all(getattr(node, f) == getattr(base, f) for f in SIGNATURE):
+                pairs[node.name] = base.name
+    return pairs
+
+
+class Renamed:
+    """The renamed ops of a `SymbolicRun` (a mixin: it reads the run's moves, claims, sources, stages and
+    stand-ins)."""
+
+    def _pair_microbatches(self, plan, on: bool = True) -> None:
+        self._counterparts: dict[str, dict[str, str]] = {}      # program -> op of microbatch k -> its counterpart
+        self._images: dict[str, frozenset[str]] = {}            # program -> the counterparts
+        self._kept: dict[int, dict] = {}         # rank -> counterpart (or input) -> its value after its op
+        self._stage_at: dict[int, dict[str, int]] = {}   # rank -> op of microbatch 0 -> its stage's index
+        self.renamed = 0                          # ops taken as their counterparts' renamed
+        if self.moves is None or not on:
+            return
+        names, ids = plan.rank_programs()
+        for name in {names[i] for i in ids}:
+            self._counterparts[name] = pairs = counterparts(plan.programs[name])
+            self._images[name] = frozenset(pairs.values())
+
+    def _keep(self, state, node, value) -> None:
+        """After a counterpart's op on a rank reading block 0: its value, for the ops paired with it."""
+        if node.name in self._images.get(state.name, ()) and self._movable(state.rank):
+            self._kept.setdefault(state.rank, {})[node.name] = value
+
+    def _keep_input(self, rank: int, name: str, value) -> None:
+        if self.moves is not None and self._movable(rank):
+            self._kept.setdefault(rank, {})[name] = value
+
+    def _staged(self, rank: int, node) -> None:
+        """After recording the stage of an op of microbatch 0 (a whole or sliced claim): where it is."""
+        if self.moves is not None and node.get_meta("mb") == 0:
+            self._stage_at.setdefault(rank, {})[node.name] = len(self.obligations) - 1
+
+    def _renamed(self, state, node) -> bool:
+        """Take the op as its counterpart's renamed (the module docstring); False: step it."""
+        base = self._counterparts.get(state.name, {}).get(node.name) if self.moves is not None else None
+        if base is None or not self._movable(state.rank):
+            return False
+        rank = state.rank
+        kept = self._kept.get(rank, {})
+        counterpart = self._nodes[state.name][base]
+        if (rank, base) in self.opaque or base not in kept:
+            return False
+        k = None
+        for name, theirs in zip(node.args, counterpart.args):
+            value = state.env[name]
+            if isinstance(value, Moved):
+                if value.base is not kept.get(theirs) or k not in (None, value.k):
+                    return False
+                k = value.k
+            elif name != theirs or not isinstance(value, np.ndarray):
+                return False
+        if k is None or not all(self._fixed(rank, state.env[name], k)
+                                for name, theirs in zip(node.args, counterpart.args) if name == theirs):
+            return False
+        if rank in self.mirrors_of and not self._renamed_throughout(rank, node):
+            return False
+        claim = self._claim(rank, node.name)
+        if claim is not None and node.dtype == "float":
+            return self._renamed_cut(state, node, base, claim, k)
+        self.sources[rank, node.name] = self._reads(state, node)
+        self.renamed += 1
+        self._passed(state, node, Moved(kept[base], k))
+        return True
+
+    def _renamed_cut(self, state, node, base: str, claim, k: int) -> bool:
+        """A cut whose claim is the counterpart's moved to block k: the counterpart's stage, renamed."""
+        rank = state.rank
+        if claim.partial:
+            return False
+        moved = self.moves.split(claim)
+        mine = self._claim(rank, base)
+        at = self._stage_at.get(rank, {}).get(base)
+        where = place(moved[1]) if moved is not None else None
+        if moved is None or moved[0] != k or mine is None or at is None or where != place(mine) or \
+                self.obligations[at].ranks != (rank,):
+            return False
+        reads = self._reads(state, node)
+        cid = StageId.group((rank,), node.name)
+        self.sources[rank, node.name] = frozenset({cid})
+        self._append(cid, (rank,), state, node, claim, self.obligations[at].key, reads)
+        self.moved += 1
+        self.renamed += 1
+        self._copy_mirrors(state)
+        first = self._conts.get(rank, {}).get(where)      # what `_continuation` continues from
+        self._passed(state, node, Moved(first, k) if first is not None else self._continuation(rank, claim))
+        return True
+
+
+def place(claim) -> tuple:
+    """Where a claim lies (its tensor, slice and partial axes): what microbatch 0's values are kept by."""
+    return claim.logical, claim.offsets, claim.shape, claim.partial
+
+
+__all__ = ["counterparts", "place", "Renamed", "Moved", "Accumulated", "LAZY"]
