@@ -158,13 +158,13 @@ def test_an_edited_manifest_fails(cert):
 
 def test_a_certificate_of_the_previous_format_is_named_as_such(cert):
     manifest = json.loads((cert / "certificate.json").read_text())
-    manifest["format"] = "tv-ray-certificate/2"
+    manifest["format"] = "tv-ray-certificate/3"
     manifest["manifest_sha256"] = manifest_digest(manifest)
     (cert / "certificate.json").write_text(json.dumps(manifest))
     with pytest.raises(CertificateError) as err:
         check_certificate(cert, sample=1)
-    assert str(err.value) == (f"{cert / 'certificate.json'}: format 'tv-ray-certificate/2', expected "
-                              f"'tv-ray-certificate/3' (another tv_ray version's keys and stages: verify the plan "
+    assert str(err.value) == (f"{cert / 'certificate.json'}: format 'tv-ray-certificate/3', expected "
+                              f"'tv-ray-certificate/4' (another tv_ray version's keys and stages: verify the plan "
                               f"again with this one)")
 
 

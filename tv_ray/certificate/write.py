@@ -39,7 +39,9 @@ import pyarrow.parquet as pq
 
 from tv_ray.certificate.outcome import Outcome, Status
 
-FORMAT = "tv-ray-certificate/3"    # /3: recorded stages + the instantiation map; /2: keys in logical order, templates
+# /4: a stage of microbatch k paired with microbatch 0's takes its key (`tv_ray.partition.microbatches`);
+# /3: recorded stages + the instantiation map; /2: keys in logical order, templates
+FORMAT = "tv-ray-certificate/4"
 MANIFEST = "certificate.json"
 TABLE = "obligations.parquet"
 INSTANCES = "instances.parquet"

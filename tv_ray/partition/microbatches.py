@@ -28,9 +28,12 @@ recorded with that key, and the run continues from the claim as
 `_continuation` would. Anything else (a partial claim, a mirrored rank's
 own values, an argument that is not σₖ of the counterpart's) is stepped as
 before: the pairing is a hypothesis that the arguments confirm or refute at
-every op, never an assumption that microbatches are alike. The stages, their
-order and keys are those of stepping every op (tests/partition/
-test_microbatches.py compares them).
+every op, never an assumption that microbatches are alike. The stages and
+their order are those of evaluating every op (tests/partition/
+test_microbatches.py compares them, keys too, on the grid plans); where
+evaluating would build a stage in full — the memo found microbatch 0's cut
+by its claim, and another op cut at that claim — it takes its counterpart's
+key here, so a plan may have fewer unique keys.
 """
 from __future__ import annotations
 
