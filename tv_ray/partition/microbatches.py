@@ -118,12 +118,12 @@ class Renamed:
 
     def _staged(self, rank: int, node) -> None:
         """After recording the stage of an op of microbatch 0 (a whole or sliced claim): where it is."""
-        if self.moves is not None and node.get_meta("mb") == 0:
+        if self.moves is not None and self.obligations[-1].mb == 0:
             self._stage_at.setdefault(rank, {})[node.name] = len(self.obligations) - 1
 
     def _renamed(self, state, node) -> bool:
         """Take the op as its counterpart's renamed (the module docstring); False: step it."""
-        base = self._counterparts.get(state.name, {}).get(node.name) if self.moves is not None else None
+        base = self._counterparts.get(state.name, {}).get(node.name)    # none without moves
         if base is None or not self._movable(state.rank):
             return False
         rank = state.rank
@@ -161,10 +161,10 @@ class Renamed:
         moved = self.moves.split(claim)
         mine = self._claim(rank, base)
         at = self._stage_at.get(rank, {}).get(base)
-        where = place(moved[1]) if moved is not None else None
-        if moved is None or moved[0] != k or mine is None or at is None or where != place(mine) or \
-                self.obligations[at].ranks != (rank,):
+        if moved is None or moved[0] != k or mine is None or at is None or \
+                place(moved[1]) != place(mine) or self.obligations[at].ranks != (rank,):
             return False
+        where = place(mine)
         reads = self._reads(state, node)
         cid = StageId.group((rank,), node.name)
         self.sources[rank, node.name] = frozenset({cid})
