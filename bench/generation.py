@@ -31,11 +31,13 @@ def digest(part) -> str:
     rows = sorted((o.id, f"{o.ranks}|{o.key}|{','.join(map(str, o.reads))}") for o in part.obligations)
     for cid, row in rows:
         h.update(f"{cid}|{row}\n".encode())
-    if part.mirrored:
+    if part.copies:
         rank_of = {cid: n for n, (cid, _) in enumerate(rows)}
         rep = np.asarray([rank_of[o.id] for o in part.obligations], dtype=np.int64)[part.copy_of]
-        block = np.asarray([part.mirrors.block[r] for r in part.copy_ranks.tolist()], dtype=np.int64)
-        h.update(np.sort(block * len(rows) + rep).tobytes())
+        block = np.asarray([part.mirrors.block[r] if part.mirrors else 0 for r in part.copy_ranks.tolist()],
+                           dtype=np.int64)
+        mb = part.copy_mb.astype(np.int64)
+        h.update(np.sort((mb * (int(block.max()) + 1) + block) * len(rows) + rep).tobytes())
     return h.hexdigest()
 
 

@@ -97,16 +97,16 @@ def measure(model: str, layers: int, spec: str, batch: int, mode: str) -> dict:
             **digests(part)}
 
 
-EXPAND_LIMIT = 2_000_000      # stages from which the digests hash the recorded stages and the mirror map
+EXPAND_LIMIT = 2_000_000      # stages from which the digests hash the recorded stages and the instantiation map
 
 
 def digests(part) -> dict:
     """`digest` (stages with keys), `stages_digest` (without them) and `copies_digest`. Up to `EXPAND_LIMIT`
     stages, the first two cover every stage expanded (id, ranks, reads, claim), so a mode that steps the mirrored
     ranks or runs pipeline shards compares equal, and there is no third; past it, they cover the recorded stages
-    (sorted by id) and the count of mirrored ones, and `copies_digest` the mirrored ones as (rank, its stage's
-    place in that order) — expanding tens of millions of mirrored stages in Python would take longer than
-    generating them. That map is one generation order's: a mirrored stage of a group spanning dp blocks is the
+    (sorted by id) and the count of the others, and `copies_digest` those as (rank, its stage's place in that
+    order, microbatch: the instantiation map) — expanding tens of millions of them in Python would take longer
+    than generating them. That map is one generation order's: a mirrored stage of a group spanning dp blocks is the
     same stage from either block, so pipeline shards may point it elsewhere; it is compared between whole runs."""
     keyed, bare = hashlib.sha256(), hashlib.sha256()
     compact = part.size > EXPAND_LIMIT
@@ -122,10 +122,11 @@ def digests(part) -> dict:
         place = np.empty(len(stages), dtype=np.int64)
         place[order] = np.arange(len(stages))
         ranks, of = part.copy_ranks.astype(np.int64), place[part.copy_of]
-        order = np.lexsort((ranks, of))
-        out["copies_digest"] = hashlib.sha256(np.stack([ranks[order], of[order]]).tobytes()).hexdigest()
+        mbs = getattr(part, "copy_mb", np.zeros(len(ranks), dtype=np.int64)).astype(np.int64)   # (before /5: none)
+        order = np.lexsort((mbs, ranks, of))
+        out["copies_digest"] = hashlib.sha256(np.stack([ranks[order], of[order], mbs[order]]).tobytes()).hexdigest()
         for h in (keyed, bare):
-            h.update(f"mirrored {part.mirrored}\n".encode())
+            h.update(f"copies {len(part.copy_of)}\n".encode())
     return {"digest": keyed.hexdigest(), "stages_digest": bare.hexdigest(), **out}
 
 

@@ -103,12 +103,14 @@ def test_ctrl_c_ends_with_130_and_the_resume_command_not_a_traceback(tmp_path):
                         f"continue with `tv-ray verify --resume {out}`\n")
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")    # the drop, on purpose
-def test_a_ctrl_c_python_drops_in_a_weakref_callback_is_raised_again():
+def test_a_ctrl_c_python_drops_in_a_weakref_callback_is_raised_again(monkeypatch):
     """Python drops an exception raised inside a weakref callback: a Ctrl-C landing there is remembered by
-    `Interrupts` and raised at its `check` (the verify command checks before it saves)."""
+    `Interrupts` and raised at its `check` (the verify command checks before it saves), and not printed as
+    "Exception ignored" with a traceback."""
     import weakref
     from tv_ray.commands import Interrupts
+    printed = []
+    monkeypatch.setattr(sys, "unraisablehook", printed.append)
 
     class Value:
         pass
@@ -128,10 +130,11 @@ def test_a_ctrl_c_python_drops_in_a_weakref_callback_is_raised_again():
                 pass
         except KeyboardInterrupt:     # (had it reached this frame instead, nothing would have been lost)
             dropped = False
-        assert dropped and ref() is None and interrupts.seen
+        assert dropped and ref() is None and interrupts.seen and printed == []
         with pytest.raises(KeyboardInterrupt):
             interrupts.check()
     assert signal.getsignal(signal.SIGINT) != interrupts._interrupted        # the previous handler is back
+    assert sys.unraisablehook == printed.append
 
 
 def _descendants(pid: int) -> list[list[str]]:

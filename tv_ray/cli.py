@@ -12,6 +12,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -19,18 +20,22 @@ import time
 from pathlib import Path
 
 from tv_ray.errors import TvRayError
-from tv_ray.models import cmd_models, list_models
+from tv_ray.models import cmd_models
 from tv_ray.commands import add_model_flags, add_parsers
 from tv_ray.simulate import add_run_parser, parse_dims
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from tv_ray.api import capture_step, parallelize
     output = Path(args.output)
     if output.is_dir():
         print(f"tv-ray plan: -o {args.output} is a directory; give the plan file's path, e.g. {output / 'plan.json'}",
               file=sys.stderr)
         return 2
+    above = next(p for p in output.absolute().parents if p.exists())   # refused before the capture, not after
+    if not above.is_dir():
+        print(f"tv-ray plan: cannot write {args.output}: {os.strerror(errno.ENOTDIR)} ({above})", file=sys.stderr)
+        return 2
+    from tv_ray.api import capture_step, parallelize
     try:
         start = time.perf_counter()
         dims = parse_dims(args.dims)

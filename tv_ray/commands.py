@@ -110,17 +110,23 @@ def add_model_flags(parser: argparse.ArgumentParser, *, required: bool) -> None:
 class Interrupts:
     """Ctrl-C raises KeyboardInterrupt, as Python's own handler does, and is remembered: Python drops an
     exception raised inside a weakref callback or `__del__` (the term table's are hot: `tv_ray.terms.term`),
-    so a Ctrl-C landing there would be lost and the run go on to its end; `check` raises it again."""
+    so a Ctrl-C landing there would be lost and the run go on to its end; `check` raises it again. Python would
+    also print the dropped one with its traceback ("Exception ignored in ..."): that one is kept quiet."""
 
     def __enter__(self) -> "Interrupts":
-        self.seen, self.previous = False, None
+        self.seen, self.previous, self.hook = False, None, sys.unraisablehook
         if threading.current_thread() is threading.main_thread():
             self.previous = signal.signal(signal.SIGINT, self._interrupted)
+            sys.unraisablehook = self._dropped
         return self
 
     def _interrupted(self, signum, frame):
         self.seen = True
         raise KeyboardInterrupt
+
+    def _dropped(self, unraisable) -> None:
+        if not (self.seen and isinstance(unraisable.exc_value, KeyboardInterrupt)):
+            self.hook(unraisable)
 
     def check(self) -> None:
         if self.seen:
@@ -129,6 +135,7 @@ class Interrupts:
     def __exit__(self, *exc) -> None:
         if self.previous is not None:
             signal.signal(signal.SIGINT, self.previous)
+            sys.unraisablehook = self.hook
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

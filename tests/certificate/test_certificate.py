@@ -16,7 +16,7 @@ from tv_ray.errors import CertificateError
 @pytest.fixture(scope="module")
 def certified(tmp_path_factory):
     graph = api.capture_step("llama3-tiny", optim="adamw", clip=1.0)
-    plan = api.parallelize(graph, "dp=2", model="llama3-tiny")
+    plan = api.parallelize(graph, "dp=2,mb=2", model="llama3-tiny")
     result = api.verify(plan, progress=False)
     assert result.proved, result.report["headline"]
     out = tmp_path_factory.mktemp("cert")
@@ -55,7 +55,7 @@ def test_a_fresh_certificate_checks(cert):
     assert report.resolved == 25 and report.obligations > 1000
     manifest = json.loads((cert / "certificate.json").read_text())
     assert manifest["counts"]["proved"] == manifest["counts"]["obligations"]
-    assert manifest["plan"]["path"] == "plan.json" and manifest["reduction"]["reduced"]["batch"] == 4
+    assert manifest["plan"]["path"] == "plan.json" and manifest["reduction"]["reduced"]["batch"] == 8
 
 
 def test_a_flipped_verdict_changes_the_table_hash(cert):
@@ -101,13 +101,16 @@ def test_a_repeated_last_row_is_not_a_stage(cert):
     assert str(err.value) == f"obligations.parquet: obligation {last} is not a stage of this plan"
 
 
-def test_mirrored_stages_are_an_instantiation_map_of_the_recorded_ones(cert):
+def test_mirrored_and_microbatch_stages_are_an_instantiation_map_of_the_recorded_ones(cert):
     manifest = json.loads((cert / "certificate.json").read_text())
     recorded, instances = pq.read_table(cert / "obligations.parquet"), pq.read_table(cert / "instances.parquet")
     assert recorded.num_rows == manifest["obligations"]["rows"] and instances.num_rows == manifest["instances"]["rows"]
-    assert instances.num_rows == manifest["symmetry"]["mirrored"] > recorded.num_rows / 2
     assert recorded.num_rows + instances.num_rows == manifest["counts"]["obligations"]
-    assert set(instances.column("rank").to_pylist()) == {1}         # dp=2: rank 1 mirrors rank 0
+    ranks, mbs = instances.column("rank").to_pylist(), instances.column("microbatch").to_pylist()
+    assert ranks.count(1) == manifest["symmetry"]["mirrored"] > recorded.num_rows / 2   # dp=2: rank 1 mirrors rank 0
+    # rank 0's: its stages of microbatch 1, kept as microbatch 0's renamed (rank 1 mirrors those too)
+    assert {m for r, m in zip(ranks, mbs) if r == 0} == {1} and ranks.count(0) > recorded.num_rows / 3
+    assert {m for r, m in zip(ranks, mbs) if r == 1} == {0, 1}
 
 
 def test_an_instance_changed_without_its_hash_fails(cert):
@@ -127,8 +130,28 @@ def test_an_instance_renaming_another_stage_is_named(cert):
     _rewrite(cert, shift, refresh_hashes=True, name="instances")
     with pytest.raises(CertificateError) as err:
         check_certificate(cert, sample=1)
-    assert str(err.value) == (f"instances.parquet: row 5 renames stage row {original + 2} to rank 1, where the "
-                              f"plan's mirrored stage 5 is stage {ids[original]} renamed to rank 1")
+    rank, mb = (pq.read_table(cert / "instances.parquet").column(c)[4].as_py() for c in ("rank", "microbatch"))
+    assert str(err.value) == (f"instances.parquet: row 5 renames stage row {original + 2} to rank {rank}, microbatch "
+                              f"{mb}, where the plan's stage 5 not recorded is stage {ids[original]} renamed to rank "
+                              f"{rank}, microbatch {mb}")
+
+
+def test_an_instance_moved_to_another_microbatch_is_named(cert):
+    table = pq.read_table(cert / "instances.parquet")
+    row = table.column("microbatch").to_pylist().index(1)
+    stage, rank = table.column("stage")[row].as_py(), table.column("rank")[row].as_py()
+    ids = pq.read_table(cert / "obligations.parquet").column("id").to_pylist()
+
+    def unmove(table):
+        mbs = table.column("microbatch").to_pylist()
+        mbs[row] = 0
+        return table.set_column(2, "microbatch", pa.array(mbs, pa.int32()))
+    _rewrite(cert, unmove, refresh_hashes=True, name="instances")
+    with pytest.raises(CertificateError) as err:
+        check_certificate(cert, sample=1)
+    assert str(err.value) == (f"instances.parquet: row {row + 1} renames stage row {stage + 1} to rank {rank}, "
+                              f"microbatch 0, where the plan's stage {row + 1} not recorded is stage {ids[stage]} "
+                              f"renamed to rank {rank}, microbatch 1")
 
 
 def test_a_dropped_instance_is_counted(cert):
@@ -136,7 +159,7 @@ def test_a_dropped_instance_is_counted(cert):
     _rewrite(cert, lambda t: t.slice(1), refresh_hashes=True, name="instances")
     with pytest.raises(CertificateError) as err:
         check_certificate(cert, sample=1)
-    assert str(err.value) == f"instances.parquet: {n - 1:,} mirrored stages where the plan has {n:,}"
+    assert str(err.value) == f"instances.parquet: {n - 1:,} stages where the plan has {n:,} not recorded"
 
 
 def test_a_plan_edited_after_verification_fails(cert):
@@ -164,7 +187,7 @@ def test_a_certificate_of_the_previous_format_is_named_as_such(cert):
     with pytest.raises(CertificateError) as err:
         check_certificate(cert, sample=1)
     assert str(err.value) == (f"{cert / 'certificate.json'}: format 'tv-ray-certificate/3', expected "
-                              f"'tv-ray-certificate/4' (another tv_ray version's keys and stages: verify the plan "
+                              f"'tv-ray-certificate/5' (another tv_ray version's keys and stages: verify the plan "
                               f"again with this one)")
 
 

@@ -42,8 +42,8 @@ def assert_same_up_to_names(made: Graph, real: Graph) -> None:
 
 
 def test_extrapolated_llama_equals_its_full_capture():
-    spec, made = deep("llama3-tiny", 6)
-    _, real = deep("llama3-tiny", 6, extrapolate=False)
+    spec, made = deep("llama3-tiny", 5)
+    _, real = deep("llama3-tiny", 5, extrapolate=False)
     assert_same_up_to_names(made, real)
     assert [s.name for s in made.inputs if s.role == "param"] == [n for n, _ in spec.build().named_parameters()]
     assert len({n.name for n in made.nodes}) == len(made.nodes)
@@ -81,7 +81,7 @@ def test_shallow_models_are_captured_as_they_are():
 
 
 def test_extrapolated_llama_runs_like_torch_autograd():
-    spec, graph = deep("llama3-tiny", 6)
+    spec, graph = deep("llama3-tiny", 5)
     module, tokens, targets, inputs, _ = real_module(spec)
     loss = module(tokens, targets)
     loss.backward()
@@ -92,16 +92,16 @@ def test_extrapolated_llama_runs_like_torch_autograd():
 
 
 def test_capture_step_extrapolates():
-    spec, graph = deep("llama3-tiny", 6)
+    spec, graph = deep("llama3-tiny", 5)
     step = capture_step(spec, optim="adamw", clip=1.0)
     assert step.nodes[:len(graph.nodes)] == graph.nodes
-    assert "new/exp_avg_sq/layers.5.mlp.down_proj.weight" in step.output_map
+    assert "new/exp_avg_sq/layers.4.mlp.down_proj.weight" in step.output_map
 
 
 def test_a_wrong_layer_index_in_the_block_is_refused(monkeypatch):
     """Mutant: copies for layer 3 keep layer 2's module path; the check names the first such node."""
-    spec = models.get("llama3-tiny").with_dims(layers=6)
-    deep("llama3-tiny", 6)                                  # the probes are cached
+    spec = models.get("llama3-tiny").with_dims(layers=5)
+    deep("llama3-tiny", 5)                                  # the probes are cached
     copy = LayerPattern._copy
 
     def stale(self, node, layer, newest):
@@ -118,7 +118,7 @@ def test_a_wrong_layer_index_in_the_block_is_refused(monkeypatch):
         capture(spec)
     made_args, real_args = ", ".join(made.args), ", ".join(real.args)
     assert str(err.value) == (
-        f"capture(llama3-tiny, layers=6): layer extrapolation refused — the layer block of the 2- and 3-layer "
+        f"capture(llama3-tiny, layers=5): layer extrapolation refused — the layer block of the 2- and 3-layer "
         f"captures, repeated to 4 layers, differs from the 4-layer capture at node {at}: "
         f"{made.name} = pow({made_args}) in the extrapolation, {real.name} = pow({real_args}) in the capture "
         f"(provenance: {made.meta} vs {real.meta}); the layers of llama3-tiny do not repeat exactly; capture it "

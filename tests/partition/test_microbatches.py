@@ -13,6 +13,7 @@ from tv_ray.engine.executor import LocalExecutor
 from tv_ray.engine.solve import Budget
 from tv_ray.ir import Op
 from tv_ray.parallel.spec import ParallelSpec
+from tv_ray.partition.compose import composition_problems
 from tv_ray.partition.generate import partition
 from tv_ray.partition.microbatches import counterparts
 
@@ -31,8 +32,8 @@ def test_renamed_ops_give_the_stages_of_evaluating_every_op(claimed, spec):
     on, off = partition(plan, dims, claims, shards=False), partition(plan, dims, claims, shards=False, renamed=False)
     assert off.renamed == 0 and on.renamed > 1000 and on.moved == off.moved > 1000
     assert _stages(on) == _stages(off)
-    assert (on.copy_ranks.tolist(), on.copy_of.tolist(), on.notes) == (off.copy_ranks.tolist(), off.copy_of.tolist(),
-                                                                       off.notes)
+    assert [(c.copy_ranks.tolist(), c.copy_of.tolist(), c.copy_mb.tolist(), c.notes) for c in (on, off)] == \
+        [(off.copy_ranks.tolist(), off.copy_of.tolist(), off.copy_mb.tolist(), off.notes)] * 2
     assert on.formulas.keys() == off.formulas.keys()
 
 
@@ -67,3 +68,20 @@ def test_an_op_reading_another_microbatchs_value_is_evaluated_and_refuted_there(
     first = outcome.first_refuted()
     assert outcome.status == "refuted" and outcome.partition.renamed > 500
     assert (str(first.id), first.mb, first.module) == ("r0/mm_3@2", 2, "layers.0.attn.o_proj")
+
+
+def test_a_stage_of_microbatch_k_is_kept_as_microbatch_0s_and_stands_or_falls_with_it(claimed):
+    """Most stages of microbatches k > 0 are not recorded but kept in the instantiation map (`Shifts`): expanded,
+    each is the stage recorded at its op; a recorded stage reading one reads microbatch 0's in the composition, so
+    microbatch 0's unproved leaves it unproved."""
+    plan, dims, claims = claimed("pp=2,mb=4")
+    part = partition(plan, dims, claims, shards=False)
+    copies = list(part.microbatch_copies())
+    assert len(copies) > len(part.obligations) and {c.mb for _, c in copies} == {1, 2, 3}
+    assert all(c.key == part.obligations[i].key and claims[c.ranks[0], c.tensor] == c.claim for i, c in copies)
+    first_of = {c.id: part.obligations[i].id for i, c in copies}
+    reader, read = next((o, r) for o in part.obligations for r in o.reads if r in first_of)
+    everything = {o.id for o in part.obligations}
+    assert composition_problems(plan, part, everything) == []
+    problems = composition_problems(plan, part, everything - {first_of[read]})
+    assert f"stage {reader.id} reads {first_of[read]}, which is neither boundary lineage nor proved" in problems

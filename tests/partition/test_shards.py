@@ -43,8 +43,8 @@ def test_shards_give_the_stages_of_the_whole_run(pipelined):
         workers.close()
     assert [(o.id, o.key, o.position) for o in apart.obligations] == \
         [(o.id, o.key, o.position) for o in sharded.obligations]
-    assert (apart.copy_ranks.tolist(), apart.copy_of.tolist()) == (sharded.copy_ranks.tolist(),
-                                                                   sharded.copy_of.tolist())
+    assert [(p.copy_ranks.tolist(), p.copy_of.tolist(), p.copy_mb.tolist()) for p in (apart, sharded)] == \
+        [(sharded.copy_ranks.tolist(), sharded.copy_of.tolist(), sharded.copy_mb.tolist())] * 2
     position = {o.id: o.position for o in sharded.obligations}
     assert [o.position for o in sharded.obligations] == list(range(len(sharded.obligations)))
     assert all(position[r] < position[o.id] for o in sharded.obligations for r in o.reads if r in position)

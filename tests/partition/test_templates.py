@@ -18,7 +18,7 @@ from tv_ray.terms import Kind, postorder, substitute, var
 from tv_ray.terms.atom import Atom
 
 PLANS = [("llama3-tiny", "dp=2,tp=2,pp=2,mb=2", {"sp": True}), ("gpt2-tiny", "dp=2,tp=2,pp=2", {}),
-         ("llama3-tiny", "dp=4", {"zero": 3}), ("llama3-tiny", "tp=2,mb=2", {"zero": 1})]
+         ("llama3-tiny", "dp=2", {"zero": 3}), ("llama3-tiny", "tp=2,mb=2", {"zero": 1})]
 
 
 def _renamed(lhs, rhs, numbers) -> str:
@@ -84,8 +84,9 @@ def test_every_instance_of_a_template_is_the_built_one_renamed(claimed, monkeypa
         original_init(self, *a, **kw)
         self.built = NeverBuilt()
     monkeypatch.setattr(Templates, "__init__", init)
-    for symmetry in (True, False):
-        partition(plan, dims, claims, symmetry=symmetry, shards=False)
+    mirrored = partition(plan, dims, claims, symmetry=True, shards=False)
+    if (mirrored.copy_of >= 0).any():       # without mirrored copies the unmirrored run is this one again
+        partition(plan, dims, claims, symmetry=False, shards=False)
     assert len(seen) > 50
     assert {t: len(forms) for t, forms in seen.items() if len(forms) > 1} == {}
     if request.node.callspec.params["claimed"][1] == "dp=2,tp=2,pp=2":

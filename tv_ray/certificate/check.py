@@ -9,8 +9,8 @@
    derived again and must equal the certificate's: same reduced dims, the
    same recorded obligation ids with the same keys and the same DAG edges (a
    deleted or edited row fails, naming the obligation), and the same
-   instantiation map — which mirrored dp rank renames which recorded stage
-   (a changed row fails, naming it);
+   instantiation map — which recorded stage each stage not recorded renames,
+   to which microbatch and dp rank (a changed row fails, naming it);
 3. every row must be `proved`, and the composition is re-checked: every
    stage input is boundary lineage or a proved stage, every logical output
    (loss, each gradient, each updated parameter and state) is covered, and
@@ -175,21 +175,23 @@ def _compare(part, table: Path, advance: Callable[[int], object] = lambda n: Non
 
 
 def _compare_instances(part, table: Path) -> int:
-    """The instantiation map against the plan's mirrored stages (each a recorded stage renamed to a dp rank's
-    block, re-derived here); raises naming the first row that differs. The number of rows."""
+    """The instantiation map against the plan's stages not recorded (each a recorded stage moved to a microbatch
+    and a dp rank's block, re-derived here); raises naming the first row that differs. The number of rows."""
     got = pq.read_table(table)
-    if got.column_names != ["rank", "stage"]:
-        raise CertificateError(f"{INSTANCES}: columns {got.column_names}, expected ['rank', 'stage']")
-    ranks, stages = (got.column(c).to_numpy().astype(np.int64) for c in ("rank", "stage"))
-    if len(ranks) != part.mirrored:
-        raise CertificateError(f"{INSTANCES}: {len(ranks):,} mirrored stages where the plan has {part.mirrored:,}")
-    wrong = np.flatnonzero((ranks != part.copy_ranks) | (stages != part.copy_of))
+    columns = ["rank", "stage", "microbatch"]
+    if got.column_names != columns:
+        raise CertificateError(f"{INSTANCES}: columns {got.column_names}, expected {columns}")
+    ranks, stages, mbs = (got.column(c).to_numpy().astype(np.int64) for c in columns)
+    if len(ranks) != part.copies:
+        raise CertificateError(f"{INSTANCES}: {len(ranks):,} stages where the plan has {part.copies:,} not recorded")
+    wrong = np.flatnonzero((ranks != part.copy_ranks) | (stages != part.copy_of) | (mbs != part.copy_mb))
     if len(wrong):
         i = int(wrong[0])
         stage = part.obligations[int(part.copy_of[i])]
         raise CertificateError(f"{INSTANCES}: row {i + 1} renames stage row {int(stages[i]) + 1} to rank "
-                               f"{int(ranks[i])}, where the plan's mirrored stage {i + 1} is stage {stage.id} renamed "
-                               f"to rank {int(part.copy_ranks[i])}")
+                               f"{int(ranks[i])}, microbatch {int(mbs[i])}, where the plan's stage {i + 1} not "
+                               f"recorded is stage {stage.id} renamed to rank {int(part.copy_ranks[i])}, microbatch "
+                               f"{int(part.copy_mb[i])}")
     return len(ranks)
 
 
@@ -221,7 +223,7 @@ def check_certificate(out: str | Path, sample: int | None = None, solvers: tuple
               dynamic_ncols=True) as bar:
         rows, by_key, first = _compare(part, out / TABLE, bar.update)
         rows += _compare_instances(part, out / INSTANCES)
-        bar.update(part.mirrored)
+        bar.update(part.copies)
     problems = composition_problems(plan, part, {o.id for o in part.obligations})
     if problems:
         raise CertificateError(f"composition does not hold: {problems[0]}")

@@ -14,11 +14,13 @@ Files under OUT:
   obligation): id, stage (the logical tensor it proves), slot (ranks,
   microbatch), key, tier, method, verdict, seconds (on the first row of each
   key), the claims it read (the DAG's edges), program and tensor;
-- ``instances.parquet`` — the instantiation map of the mirrored stages, one
-  row each (`Partition.copy`): the data-parallel rank whose stage it is and
-  the row of the recorded stage it renames (its id, slot and reads are that
-  stage's moved to the rank's dp block; its key and verdict are that
-  stage's). Millions of mirrored stages are two small integer columns;
+- ``instances.parquet`` — the instantiation map: one row per stage not
+  recorded (`Partition.copy`), with the row of the recorded stage it
+  renames, the microbatch it moves that stage to (0: its own; a stage of
+  microbatch k kept as microbatch 0's renamed) and the rank whose stage it
+  is (a mirrored dp rank: moved to its dp block). Its id, slot and reads are
+  the recorded stage's renamed so; its key and verdict are that stage's.
+  Millions of such stages are three small integer columns;
 - ``plan.json`` — the plan's bytes (a copy of the plan file, or the plan built
   in the run), named by this relative path and its hash: the directory checks
   wherever it is moved.
@@ -39,9 +41,10 @@ import pyarrow.parquet as pq
 
 from tv_ray.certificate.outcome import Outcome, Status
 
-# /4: a stage of microbatch k paired with microbatch 0's takes its key (`tv_ray.partition.microbatches`);
+# /5: stages of microbatches k > 0 in the instantiation map (column microbatch); /4: a stage of microbatch k paired
+# with microbatch 0's takes its key (`tv_ray.partition.microbatches`);
 # /3: recorded stages + the instantiation map; /2: keys in logical order, templates
-FORMAT = "tv-ray-certificate/4"
+FORMAT = "tv-ray-certificate/5"
 MANIFEST = "certificate.json"
 TABLE = "obligations.parquet"
 INSTANCES = "instances.parquet"
@@ -89,20 +92,21 @@ SCHEMA = pa.schema([("id", pa.string()), ("stage", pa.string()), ("slot", pa.str
 ROWS = 1 << 16                  # obligations per record batch (one range of stages)
 
 
-INSTANCE_SCHEMA = pa.schema([("rank", pa.int32()), ("stage", pa.int32())])
+INSTANCE_SCHEMA = pa.schema([("rank", pa.int32()), ("stage", pa.int32()), ("microbatch", pa.int32())])
 
 
 def write_tables(outcome: Outcome, out: str | Path, rows: int = ROWS) -> None:
     """OUT/obligations.parquet, streamed one record batch of `rows` recorded stages at a time, in stage order,
-    and OUT/instances.parquet, the instantiation map of the mirrored stages (the module docstring)."""
+    and OUT/instances.parquet, the instantiation map of the stages not recorded (the module docstring)."""
     out = Path(out)
     part = outcome.partition
     with pq.ParquetWriter(out / TABLE, SCHEMA, compression="zstd") as writer:
         first: set[str] = set()
         for start in range(0, len(part.obligations), rows):
             writer.write_batch(_batch(part.obligations[start:start + rows], outcome.verdicts, first))
-    pq.write_table(pa.table([pa.array(part.copy_ranks, pa.int32()), pa.array(part.copy_of, pa.int32())],
-                            schema=INSTANCE_SCHEMA), out / INSTANCES, compression="zstd")
+    pq.write_table(pa.table([pa.array(part.copy_ranks, pa.int32()), pa.array(part.copy_of, pa.int32()),
+                             pa.array(part.copy_mb, pa.int32())], schema=INSTANCE_SCHEMA), out / INSTANCES,
+                   compression="zstd")
 
 
 def _batch(obligations, verdicts: dict, first: set[str] | None) -> pa.RecordBatch:
@@ -170,7 +174,7 @@ def write_certificate(outcome: Outcome, out: str | Path, plan_path: str | Path |
         "composition": {"checked": True, "problems": outcome.problems,
                         "outputs": sorted(name for name, _ in outcome.plan.logical.outputs)},
         "obligations": {"file": TABLE, "sha256": sha256_file(out / TABLE), "rows": len(part.obligations)},
-        "instances": {"file": INSTANCES, "sha256": sha256_file(out / INSTANCES), "rows": part.mirrored},
+        "instances": {"file": INSTANCES, "sha256": sha256_file(out / INSTANCES), "rows": part.copies},
         "settings": settings,
         "phases_s": {k: round(v, 3) for k, v in outcome.phases.items()},
         "executor": outcome.executor,

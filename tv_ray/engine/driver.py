@@ -113,7 +113,10 @@ def verify_plan(plan: Plan, *, budget: Budget = Budget(), executor: Executor | N
             if checkpoint is not None:
                 checkpoint.flush()
         phases["solve"] += time.perf_counter() - t
-        wrong = [o for o in part.obligations if verdicts[o.key].verdict is Status.REFUTED and not o.claim.boundary]
+        refuted = {k for k, v in verdicts.items() if v.verdict is Status.REFUTED}
+        wrong = [o for o in part.obligations if o.key in refuted and not o.claim.boundary]
+        # a microbatch copy's claim is its own rank's (a mirrored rank's claims are its representative's)
+        wrong += [o for i, o in part.microbatch_copies() if o.key in refuted and not o.claim.boundary]
         if not wrong or derivation.deviations:
             break
         derivation.drop((rank, ob.tensor) for ob in wrong for rank in ob.ranks)

@@ -6,7 +6,8 @@
 The stages compose when
 
 - every claim a stage reads is boundary lineage or a proved stage (a mirrored
-  rank's claim stands or falls with its representative's);
+  rank's claim stands or falls with its representative's, a microbatch copy's
+  with microbatch 0's stage it renames);
 - the stage DAG, read through those representatives, has no cycle — a proof
   may not rest on itself — and every stage counted as established is reached
   from boundary inputs through proved stages only;
@@ -27,8 +28,9 @@ from tv_ray.plan import Plan
 
 
 def _resolved(part: Partition) -> nx.DiGraph:
-    """The stage DAG with each read of a mirrored rank's claim drawn from its representative's stage."""
-    if part.mirrors is None:
+    """The stage DAG with each read of a copy's claim (a mirrored rank's, a microbatch's kept as microbatch 0's)
+    drawn from the recorded stage it renames (`Partition.representative`)."""
+    if part.mirrors is None and part.shifts is None:
         return part.dag
     graph = nx.DiGraph()
     graph.add_nodes_from(part.boundary)

@@ -1,9 +1,10 @@
 """The stage DAG: boundary inputs and stages as nodes, an edge from each claim a stage reads to the stage.
 
-Mirrored stages are not nodes (they repeat their representative's
-composition under renaming); a recorded stage that reads a mirrored rank's
-claim has that claim's id as a node without a stage (`Partition.representative`
-names the recorded stage it stands for).
+Stages kept in the instantiation map — mirrored ranks', microbatch copies —
+are not nodes (they repeat their recorded stage's composition under
+renaming); a recorded stage that reads such a claim has that claim's id as a
+node without a stage (`Partition.representative` names the recorded stage it
+stands for).
 """
 from __future__ import annotations
 

@@ -35,6 +35,7 @@ from tv_ray.ir.ops import COLLECTIVES
 from tv_ray.partition.claims import Claim
 from tv_ray.partition.dag import depths, stage_dag
 from tv_ray.partition.logical import LogicalTerms
+from tv_ray.partition.microbatches import Shifts
 from tv_ray.partition.stages import Obligation, Partition, SymbolicRun
 from tv_ray.partition.symmetry import Blocks, Mirrors, Moves, find_mirrors, microbatch_moves
 from tv_ray.plan import Plan, gc_paused
@@ -55,8 +56,9 @@ class ShardRun:
 
     obligations: list[Obligation]
     formulas: dict[str, tuple[list[Term], list[Term]]]
-    copy_ranks: np.ndarray
+    copy_ranks: np.ndarray          # the instantiation map (`Partition.copy`)
     copy_of: np.ndarray             # index into this shard's `obligations`
+    copy_mb: np.ndarray
     boundary: dict[str, Claim]
     notes: list[str]
     moved: int
@@ -66,6 +68,7 @@ class ShardRun:
     unformed: dict[str, str]
     templated: int
     renamed: int
+    shifts: Shifts | None
 
     def __getstate__(self) -> dict:
         sides = [(len(lhs), len(rhs)) for lhs, rhs in self.formulas.values()]
@@ -134,10 +137,10 @@ def run_shards(plan: Plan, dims: dict[str, int], claims: dict[tuple[int, str], C
     out = []
     for owned in shards:
         run = renamings.run(plan, dims, logical, claims, bar, owned)
-        ranks, reps = run.resolve_copies()
-        out.append(ShardRun(run.obligations, run.formulas, ranks, reps, run.boundary,
+        ranks, reps, mbs = run.resolve_copies()
+        out.append(ShardRun(run.obligations, run.formulas, ranks, reps, mbs, run.boundary,
                             run.notes + _incomplete(run.pending), run.moved, run.accumulated, run.sent, run.assumed,
-                            run.unformed, _hits(run), run.renamed))
+                            run.unformed, _hits(run), run.renamed, run.shifts))
     return out
 
 
@@ -173,11 +176,12 @@ def merge(runs: list[ShardRun], mirrors: Mirrors | None = None, symmetry: list[s
         for key, sides in run.formulas.items():
             formulas.setdefault(key, sides)
     copies = (np.concatenate([run.copy_ranks for run in runs]).astype(np.int32),
-              np.concatenate([where[s][run.copy_of] for s, run in enumerate(runs)]).astype(np.int32))
+              np.concatenate([where[s][run.copy_of] for s, run in enumerate(runs)]).astype(np.int32),
+              np.concatenate([run.copy_mb for run in runs]).astype(np.int32))
     part = _assemble(obligations, {cid: c for run in runs for cid, c in run.boundary.items()},
                      [note for run in runs for note in run.notes], formulas, symmetry or [], copies, mirrors,
                      sum(r.moved for r in runs), sum(r.accumulated for r in runs),
-                     {k: why for run in runs for k, why in run.unformed.items()})
+                     {k: why for run in runs for k, why in run.unformed.items()}, runs[0].shifts)
     part.shards = len(runs)
     part.templated = sum(r.templated for r in runs)
     part.renamed = sum(r.renamed for r in runs)
@@ -259,7 +263,7 @@ def _run(plan, dims, claims, renamings: Renamings, logical, notes, split, bar, g
     copies = run.resolve_copies()
     run.notes += _incomplete(run.pending)
     part = _assemble(run.obligations, run.boundary, run.notes, run.formulas, symmetry, copies, found, run.moved,
-                     run.accumulated, run.unformed)
+                     run.accumulated, run.unformed, run.shifts)
     part.templated, part.renamed = _hits(run), run.renamed
     return part
 
@@ -283,9 +287,9 @@ def _incomplete(pending: dict) -> list[str]:
 
 
 def _assemble(obligations, boundary, run_notes, formulas, symmetry, copies, found, moved, accumulated,
-              unformed) -> Partition:
+              unformed, shifts) -> Partition:
     return Partition(obligations, boundary, stage_dag(boundary, obligations), run_notes, formulas, symmetry,
-                     unformed, copies[0], copies[1], found, moved, accumulated)
+                     unformed, *copies, found, shifts, moved, accumulated)
 
 
 __all__ = ["partition", "pipeline_shards", "run_shards", "merge", "ops_of", "ShardRun", "Renamings", "SHARD_MIN"]

@@ -34,8 +34,15 @@ test_microbatches.py compares them, keys too, on the grid plans); where
 evaluating would build a stage in full — the memo found microbatch 0's cut
 by its claim, and another op cut at that claim — it takes its counterpart's
 key here, so a plan may have fewer unique keys.
+
+A stage of microbatch k taken as microbatch 0's (here or by `_moved_stage`)
+is kept in the instantiation map as (that stage, k) rather than recorded,
+where `Shifts` expands it to exactly the stage recorded there; in the
+composition its id stands for microbatch 0's (`Partition.representative`).
 """
 from __future__ import annotations
+
+from array import array
 
 import numpy as np
 
@@ -70,6 +77,47 @@ class Accumulated:
 LAZY = (Moved, Accumulated)
 
 
+class Shifts:
+    """How a stage of microbatch 0 reads as microbatch k's: a microbatch copy in the instantiation map
+    (`Partition.copy`). Its op and the ops it read are named through the pairing (`counterparts`: the op at
+    the same place among microbatch k's), its claim moved to block k; nothing else changes. A stage is kept
+    as a copy only where this expansion is exactly the stage its run records (`Renamed._append_moved`), so a
+    copy is a record of that stage, never an assumption about it."""
+
+    def __init__(self, plan, blocks):
+        names, ids = plan.rank_programs()
+        self.program_of = [names[i] for i in ids]             # rank -> its program
+        self.blocks = blocks
+        self.pairs: dict[str, dict[str, str]] = {}     # program -> op of microbatch k -> its counterpart
+        self.named: dict[str, dict[tuple[str, int], str]] = {}   # program -> (counterpart, k) -> op
+        for name in set(self.program_of):
+            program = plan.programs[name]
+            mb = {node.name: node.get_meta("mb") for node in program.nodes}
+            self.pairs[name] = pairs = counterparts(program)
+            self.named[name] = {(base, mb[op]): op for op, base in pairs.items()}
+
+    def rename_id(self, cid: StageId, k: int) -> StageId:
+        """A stage or claim id of microbatch 0 as microbatch k's (an input, or an op no microbatch pairs, is
+        the same)."""
+        if cid.kind not in ("r", "g"):
+            return cid
+        name = self.named[self.program_of[cid.ranks[0]]].get((cid.tensor, k))
+        return cid if name is None else StageId(cid.kind, cid.ranks, name)
+
+    def move(self, claim, k: int):
+        """A claim of block 0 as block k's."""
+        tag = self.blocks.tags.get(claim.logical)
+        return claim if tag is None else claim.shifted(tag.dim, k * self.blocks.size * tag.q)
+
+    def shift(self, ob, k: int):
+        """Stage `ob` of microbatch 0 as microbatch k's (its position, microbatch 0's)."""
+        cid = self.rename_id(ob.id, k)
+        reads = [self.rename_id(r, k) for r in ob.reads]
+        return type(ob)(cid, ob.ranks, ob.program, cid.tensor, self.move(ob.claim, k), ob.key,
+                        tuple(reads) if len(reads) < 2 else tuple(sorted(reads, key=str)), ob.op, ob.module,
+                        ob.phase, ob.realises, k, ob.position, ob.notes)
+
+
 def counterparts(program: Graph) -> dict[str, str]:
     """Each op of a microbatch k ≥ 1 → the op at the same place among microbatch 0's ops, where both are the
     same op (kind, attributes, shape, dtype, arity); a microbatch with another number of ops has none."""
@@ -95,17 +143,14 @@ class Renamed:
     stand-ins)."""
 
     def _pair_microbatches(self, plan, on: bool = True) -> None:
-        self._counterparts: dict[str, dict[str, str]] = {}      # program -> op of microbatch k -> its counterpart
-        self._images: dict[str, frozenset[str]] = {}            # program -> the counterparts
+        self.shifts = Shifts(plan, self.moves.blocks) if self.moves is not None else None
+        # program -> op of microbatch k -> its counterpart (none when off: every op is evaluated)
+        self._counterparts: dict[str, dict[str, str]] = self.shifts.pairs if on and self.shifts else {}
+        self._images = {name: frozenset(pairs.values()) for name, pairs in self._counterparts.items()}
         self._kept: dict[int, dict] = {}         # rank -> counterpart (or input) -> its value after its op
         self._stage_at: dict[int, dict[str, int]] = {}   # rank -> op of microbatch 0 -> its stage's index
         self.renamed = 0                          # ops taken as their counterparts' renamed
-        if self.moves is None or not on:
-            return
-        names, ids = plan.rank_programs()
-        for name in {names[i] for i in ids}:
-            self._counterparts[name] = pairs = counterparts(plan.programs[name])
-            self._images[name] = frozenset(pairs.values())
+        self.shifted = array("i"), array("i")     # (microbatch 0's stage, k) of each stage kept as a copy
 
     def _keep(self, state, node, value) -> None:
         """After a counterpart's op on a rank reading block 0: its value, for the ops paired with it."""
@@ -168,8 +213,7 @@ class Renamed:
         reads = self._reads(state, node)
         cid = StageId.group((rank,), node.name)
         self.sources[rank, node.name] = frozenset({cid})
-        self._append(cid, (rank,), state, node, claim, self.obligations[at].key, reads)
-        self.moved += 1
+        self._append_moved(at, k, cid, (rank,), state, node, claim, reads)
         self.renamed += 1
         self._copy_mirrors(state)
         first = self._conts.get(rank, {}).get(where)      # what `_continuation` continues from
@@ -177,9 +221,24 @@ class Renamed:
         return True
 
 
+    def _append_moved(self, at: int, k: int, cid, members, state, node, claim, reads) -> None:
+        """The stage of microbatch k that is recorded stage `at` (microbatch 0's) renamed: kept as a microbatch copy
+        (`Shifts`) where that expansion is exactly the stage, else recorded with that stage's key."""
+        self.moved += 1
+        first = self.obligations[at]
+        mine = self._obligation(cid, members, state, node, claim, first.key, reads)
+        copy = self.shifts.shift(first, k)
+        copy.position = mine.position
+        if copy == mine:
+            self.shifted[0].append(at)
+            self.shifted[1].append(k)
+        else:
+            self.obligations.append(mine)
+
+
 def place(claim) -> tuple:
     """Where a claim lies (its tensor, slice and partial axes): what microbatch 0's values are kept by."""
     return claim.logical, claim.offsets, claim.shape, claim.partial
 
 
-__all__ = ["counterparts", "place", "Renamed", "Moved", "Accumulated", "LAZY"]
+__all__ = ["counterparts", "place", "Renamed", "Shifts", "Moved", "Accumulated", "LAZY"]

@@ -51,7 +51,7 @@ from tv_ray.partition.claims import Claim
 from tv_ray.partition.keys import content_digests, formula_key
 from tv_ray.partition.logical import LogicalTerms, atoms
 from tv_ray.partition.ids import Part, StageId
-from tv_ray.partition.microbatches import LAZY, Accumulated, Moved, Renamed, place
+from tv_ray.partition.microbatches import LAZY, Accumulated, Moved, Renamed, Shifts, place
 from tv_ray.partition.standins import Mirrored, StandIns, constant
 from tv_ray.partition.symmetry import Mirrors, Moves
 from tv_ray.partition.templates import Templates, contributed, leaf, part
@@ -104,28 +104,43 @@ class Partition:
     formulas: dict[str, tuple[list[Term], list[Term]]] = field(default_factory=dict)
     symmetry: list[str] = field(default_factory=list)     # why ranks were not mirrored, if any
     unformed: dict[str, str] = field(default_factory=dict)   # key -> why the stage's formula was not formed
+    # the instantiation map: each stage not recorded as the recorded stage `copy_of` moved to microbatch `copy_mb`
+    # (0: its own) and to rank `copy_ranks`' dp block (`copy`)
     copy_ranks: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
-    copy_of: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))   # its stage's index
+    copy_of: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    copy_mb: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     mirrors: "Mirrors | None" = None
+    shifts: "Shifts | None" = None
     moved: int = 0                  # recorded stages of microbatches k > 0 taken from microbatch 0's (one key)
     accumulated: int = 0            # gradient accumulation stages proved as microbatch 0's contribution
     shards: int = 0                 # pipeline shards the stages were generated in (0: one run)
     templated: int = 0              # stages keyed from their template, their terms never built
     renamed: int = 0                # ops of microbatches k > 0 taken as microbatch 0's renamed, never evaluated
     stood_in: int = 0               # mirrored ranks never stepped (`tv_ray.partition.standins`)
+    _firsts: dict | None = field(default=None, repr=False)   # microbatch copy id -> microbatch 0's stage id
+
+    @property
+    def copies(self) -> int:
+        """Stages held as a recorded stage renamed (the instantiation map), not as `Obligation`s."""
+        return len(self.copy_of)
 
     @property
     def mirrored(self) -> int:
-        """Stages recorded from a representative's (not held as `Obligation`s)."""
-        return len(self.copy_ranks)
+        """Stages of mirrored dp ranks (a representative's stage, moved to their blocks)."""
+        return int(np.isin(self.copy_ranks, list(self.mirrors.rep)).sum()) if self.mirrors else 0
 
     @property
     def size(self) -> int:
-        return len(self.obligations) + self.mirrored
+        return len(self.obligations) + self.copies
 
     def copy(self, i: int) -> Obligation:
-        """Mirrored stage i, expanded: its representative's stage with ranks, ids and samples moved."""
-        rank, ob = int(self.copy_ranks[i]), self.obligations[self.copy_of[i]]
+        """Stage i of the instantiation map, expanded: its recorded stage moved to its microbatch (`Shifts`), and
+        for a mirrored rank, with ranks, ids and samples moved to its dp block."""
+        rank, ob, mb = int(self.copy_ranks[i]), self.obligations[self.copy_of[i]], int(self.copy_mb[i])
+        if mb:
+            ob = self.shifts.shift(ob, mb)
+        if self.mirrors is None or rank not in self.mirrors.rep:
+            return ob
         k = self.mirrors.block[rank]
         image = self.mirrors.image[k]
         return Obligation(self.mirrors.rename_id(ob.id, k), tuple(image.get(r, r) for r in ob.ranks), ob.program,
@@ -134,19 +149,30 @@ class Partition:
                           ob.phase,
                           ob.realises, ob.mb, ob.position, ob.notes)
 
+    def microbatch_copies(self) -> Iterator[tuple[int, Obligation]]:
+        """(recorded stage, the copy expanded) for each stage of a microbatch k > 0 kept as microbatch 0's renamed
+        on its own rank."""
+        own = ~np.isin(self.copy_ranks, list(self.mirrors.rep)) if self.mirrors else np.ones(self.copies, bool)
+        for i in np.flatnonzero(own & (self.copy_mb > 0)).tolist():
+            yield int(self.copy_of[i]), self.copy(i)
+
     def representative(self, cid: StageId) -> StageId:
-        """The recorded stage (or boundary input) a mirrored rank's stage or input id stands for; else `cid`."""
-        if self.mirrors is None:
+        """The recorded stage (or boundary input) a copy's id stands for — a mirrored rank's stage or input its
+        representative's, a microbatch copy microbatch 0's —; else `cid`."""
+        if self.mirrors is not None:
+            blocks = {self.mirrors.block[r] for r in cid.ranks}
+            if len(blocks) == 1 and all(r in self.mirrors.rep for r in cid.ranks):
+                cid = self.mirrors.rename_id(cid, blocks.pop())
+        if self.shifts is None:
             return cid
-        blocks = {self.mirrors.block[r] for r in cid.ranks}
-        if len(blocks) != 1 or not all(r in self.mirrors.rep for r in cid.ranks):
-            return cid
-        return self.mirrors.rename_id(cid, blocks.pop())
+        if self._firsts is None:
+            self._firsts = {copy.id: self.obligations[i].id for i, copy in self.microbatch_copies()}
+        return self._firsts.get(cid, cid)
 
     def every(self) -> Iterator[Obligation]:
-        """Every stage: the recorded ones, then the mirrored ones expanded one at a time."""
+        """Every stage: the recorded ones, then the instantiation map's expanded one at a time."""
         yield from self.obligations
-        for i in range(self.mirrored):
+        for i in range(self.copies):
             yield self.copy(i)
 
     def key_counts(self) -> Counter:
@@ -320,7 +346,8 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
                 self._show(self._stepped % BAR_STEP)
 
     def _show(self, stepped: int) -> None:
-        self.bar.set_postfix_str(f"stages {len(self.obligations) + len(self.copied[0])} unique {len(self.formulas)}",
+        self.bar.set_postfix_str(f"stages {len(self.obligations) + len(self.copied[0]) + len(self.shifted[0])} "
+                                 f"unique {len(self.formulas)}",
                                  refresh=False)
         self.bar.update(stepped)
 
@@ -626,8 +653,7 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
         first = self.obligations[entries[0][0]]
         if first.ranks != members:
             return False
-        self._append(cid, members, state, node, claim, first.key, reads)
-        self.moved += 1
+        self._append_moved(entries[0][0], values[0].k, cid, members, state, node, claim, reads)
         return True
 
     def _remember(self, members, node: Node, claim: Claim, values) -> None:
@@ -1017,44 +1043,51 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
         self._append(cid, members, state, node, claim, key, reads)
 
     def _append(self, cid, members, state, node: Node, claim: Claim, key: str, reads) -> None:
+        self.obligations.append(self._obligation(cid, members, state, node, claim, key, reads))
+
+    def _obligation(self, cid, members, state, node: Node, claim: Claim, key: str, reads) -> Obligation:
+        """The stage at `node`, as recorded next."""
         info = self._info.get(id(node))      # nodes live in the plan
         if info is None:
             meta = dict(node.meta)
             info = self._info[id(node)] = (str(node.op), meta.get("module") or "", meta.get("phase") or "",
                                            meta.get("realises") or "", meta.get("mb"))
         op, module, phase, realises, mb = info
-        self.obligations.append(Obligation(
-            cid, members, state.name, node.name, claim, key, tuple(reads) if len(reads) < 2 else
-            tuple(sorted(reads, key=str)), op, module, phase, realises, mb, len(self.obligations)))
+        return Obligation(cid, members, state.name, node.name, claim, key, tuple(reads) if len(reads) < 2 else
+                          tuple(sorted(reads, key=str)), op, module, phase, realises, mb, len(self.obligations))
 
-    def resolve_copies(self) -> tuple[np.ndarray, np.ndarray]:
-        """(mirrored rank, index of the representative's stage) for every mirrored stage: a whole or sliced
-        claim's stage is its representative's at the same op (found once per representative and op), a partial
-        one's the group of the representative's images."""
-        index = {ob.id: i for i, ob in enumerate(self.obligations)}
+    def resolve_copies(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The instantiation map of the stages not recorded: (rank, recorded stage, microbatch it is moved to) of
+        each — the microbatch copies (`shifted`, on their own ranks), then the mirrored stages. A mirrored rank's
+        stage is its representative's at the same op (a whole or sliced claim's found once per representative and
+        op; a partial one's the group of the representative's images), which may itself be a microbatch copy."""
+        index = {ob.id: (i, 0) for i, ob in enumerate(self.obligations)}
+        at, ks = (np.asarray(a, dtype=np.int32) for a in self.shifted)
+        for i, k in zip(at.tolist(), ks.tolist()):
+            index[self.shifts.rename_id(self.obligations[i].id, k)] = (i, k)
+        own = np.asarray([self.obligations[i].ranks[0] for i in at.tolist()], dtype=np.int32)
         ranks, pcs = np.asarray(self.copied[0], dtype=np.int32), np.asarray(self.copied[1], dtype=np.int32)
-        reps = np.empty(len(ranks), dtype=np.int32)
-        if not len(ranks):
-            return ranks, reps
-        rep_of = np.full(self.plan.num_ranks, -1, dtype=np.int64)
-        rep_of[list(self.mirrored)] = list(self.mirrored.values())
-        where = rep_of[ranks] * (int(pcs.max()) + 1) + pcs
-        firsts, first_at, inverse = np.unique(where, return_index=True, return_inverse=True)
-        whole = np.empty(len(firsts), dtype=np.int64)      # the stage per (representative, op); -1: partial
-        for u, i in enumerate(first_at.tolist()):
-            whole[u] = self._resolve(int(ranks[i]), int(pcs[i]), index, alone=True)
-        reps[:] = whole[inverse]
-        for i in np.flatnonzero(reps < 0).tolist():
-            reps[i] = self._resolve(int(ranks[i]), int(pcs[i]), index, alone=False)
-        return ranks, reps
+        reps, mbs = np.empty(len(ranks), dtype=np.int32), np.zeros(len(ranks), dtype=np.int32)
+        if len(ranks):
+            rep_of = np.full(self.plan.num_ranks, -1, dtype=np.int64)
+            rep_of[list(self.mirrored)] = list(self.mirrored.values())
+            where = rep_of[ranks] * (int(pcs.max()) + 1) + pcs
+            firsts, first_at, inverse = np.unique(where, return_index=True, return_inverse=True)
+            whole = np.empty((len(firsts), 2), dtype=np.int64)   # the stage per (representative, op); -1: partial
+            for u, i in enumerate(first_at.tolist()):
+                whole[u] = self._resolve(int(ranks[i]), int(pcs[i]), index, alone=True)
+            reps[:], mbs[:] = whole[inverse, 0], whole[inverse, 1]
+            for i in np.flatnonzero(reps < 0).tolist():
+                reps[i], mbs[i] = self._resolve(int(ranks[i]), int(pcs[i]), index, alone=False)
+        return np.concatenate([own, ranks]), np.concatenate([at, reps]), np.concatenate([ks, mbs])
 
-    def _resolve(self, rank: int, pc: int, index: dict, alone: bool) -> int:
-        """The representative's stage a mirrored rank's stage at op `pc` copies (-1 with `alone` for a partial
-        claim, whose stage is that of the group of images of the rank's own group)."""
+    def _resolve(self, rank: int, pc: int, index: dict, alone: bool) -> tuple[int, int]:
+        """(the recorded stage, microbatch) a mirrored rank's stage at op `pc` copies ((-1, 0) with `alone` for a
+        partial claim, whose stage is that of the group of images of the rank's own group)."""
         node = self.ranks[rank].program.nodes[pc]
         partial = self.claims[self.mirrored[rank], node.name].partial
         if alone and partial:
-            return -1
+            return -1, 0
         k = self.mirrors.block[rank]
         rep = StageId.group(tuple(self.mirrors.image[k][m] for m in self.members(rank, partial)), node.name)
         if rep not in index:
