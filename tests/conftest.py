@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 BIN = Path(sys.executable).parent
-RAY_MODULES = {"certificate/test_certificate.py", "deploy/test_job_submission.py", "engine/test_checkpoint.py",
+RAY_MODULES = {"deploy/test_job_submission.py", "engine/test_checkpoint.py",
                "engine/test_grid_subset.py", "engine/test_ray_cluster.py", "engine/test_ray_engine.py",
                "engine/test_verify_cli.py"}
 HERE = Path(__file__).resolve().parent

@@ -12,12 +12,15 @@ from tv_ray.certificate.write import manifest_digest, sha256_file
 from tv_ray.cli import main
 from tv_ray.errors import CertificateError
 
+# one worker builds the certificate for every test here (the local executor: the Ray tests' worker is the longest)
+pytestmark = pytest.mark.xdist_group("certificate")
+
 
 @pytest.fixture(scope="module")
 def certified(tmp_path_factory):
     graph = api.capture_step("llama3-tiny", optim="adamw", clip=1.0)
     plan = api.parallelize(graph, "dp=2,mb=2", model="llama3-tiny")
-    result = api.verify(plan, progress=False)
+    result = api.verify(plan, progress=False, engine="local")
     assert result.proved, result.report["headline"]
     out = tmp_path_factory.mktemp("cert")
     result.save(out)
