@@ -67,13 +67,18 @@ def _gone(pid: int) -> bool:
     return False
 
 
+# each of these verdicts takes well under a second here; the margin is for a loaded machine (xdist workers,
+# Ray actors and solver processes on two cores), where a solver process's start alone has taken seconds
+TIMEOUT_S = 60
+
+
 # -- proofs -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("solver", SOLVERS)
 @pytest.mark.parametrize("case", POLY_PROVED, ids=lambda c: c[0])
 def test_polynomial_identities_proved_by_each_solver(case, solver):
     _, lhs, rhs, _ = case
-    result = prove(lhs, rhs, solvers=(solver,), timeout_s=10)
+    result = prove(lhs, rhs, solvers=(solver,), timeout_s=TIMEOUT_S)
     assert result.verdict == "proved", result
     assert result.method == METHOD[solver]
 
@@ -81,7 +86,7 @@ def test_polynomial_identities_proved_by_each_solver(case, solver):
 @pytest.mark.parametrize("case", POLY_PROVED, ids=lambda c: c[0])
 def test_polynomial_identities_proved_by_portfolio(case):
     _, lhs, rhs, _ = case
-    result, record = prove_with_record(lhs, rhs, timeout_s=10)
+    result, record = prove_with_record(lhs, rhs, timeout_s=TIMEOUT_S)
     assert result.proved, result
     assert result.method in set(METHOD.values())
     assert record.claim.winner.status == "unsat" and METHOD_OF[record.claim.winner.solver] == result.method
@@ -96,12 +101,20 @@ METHOD_OF = {s: f"smt:{s}" for s in NAME_OF}
 
 # -- refutations --------------------------------------------------------------------------------
 
+# cvc5 gives up on this division bug now and then, depending on what the process encoded before (under xdist):
+# nonlinear real arithmetic with division is incomplete; the portfolio (and z3, yices alone) must still refute it
+INCOMPLETE = {("dp_grad_double_divide", "cvc5")}
+
+
 @pytest.mark.parametrize("solver", SOLVERS + ("portfolio",))
 @pytest.mark.parametrize("case", POLY_BUGS, ids=lambda c: c[0])
 def test_bugs_refuted_with_replayed_point(case, solver):
     _, lhs, rhs, _ = case
     solvers = SOLVERS if solver == "portfolio" else (solver,)
-    result = prove(lhs, rhs, solvers=solvers, timeout_s=10)
+    result = prove(lhs, rhs, solvers=solvers, timeout_s=TIMEOUT_S)
+    if (case[0], solver) in INCOMPLETE and result.verdict == "unknown":
+        assert result.reason == f"no solver answered: {solver}: unknown (solver said unknown)"   # never proved
+        return
     assert result.verdict == "refuted", result
     assert result.lhs_value == _exact(lhs, result.point, result.functions)
     assert result.rhs_value == _exact(rhs, result.point, result.functions)
@@ -110,7 +123,7 @@ def test_bugs_refuted_with_replayed_point(case, solver):
 
 def test_wrong_scale_bug_is_refuted_by_exactly_two():
     _, lhs, rhs, _ = BY_NAME["dp_grad_sum_not_avg"]
-    result = prove(lhs, rhs, solvers=("z3",), timeout_s=10)
+    result = prove(lhs, rhs, solvers=("z3",), timeout_s=TIMEOUT_S)
     assert result.verdict == "refuted", result
     assert result.lhs_value == 2 * result.rhs_value != 0
 
