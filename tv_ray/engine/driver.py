@@ -116,7 +116,8 @@ def verify_plan(plan: Plan, *, budget: Budget = Budget(), executor: Executor | N
         refuted = {k for k, v in verdicts.items() if v.verdict is Status.REFUTED}
         wrong = [o for o in part.obligations if o.key in refuted and not o.claim.boundary]
         # a microbatch copy's claim is its own rank's (a mirrored rank's claims are its representative's)
-        wrong += [o for i, o in part.microbatch_copies() if o.key in refuted and not o.claim.boundary]
+        if refuted:         # (expanding the copies costs a pass over them: only when something is wrong)
+            wrong += [o for _, o in part.microbatch_copies() if o.key in refuted and not o.claim.boundary]
         if not wrong or derivation.deviations:
             break
         derivation.drop((rank, ob.tensor) for ob in wrong for rank in ob.ranks)

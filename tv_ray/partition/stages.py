@@ -1061,14 +1061,14 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
         each — the microbatch copies (`shifted`, on their own ranks), then the mirrored stages. A mirrored rank's
         stage is its representative's at the same op (a whole or sliced claim's found once per representative and
         op; a partial one's the group of the representative's images), which may itself be a microbatch copy."""
-        index = {ob.id: (i, 0) for i, ob in enumerate(self.obligations)}
         at, ks = (np.asarray(a, dtype=np.int32) for a in self.shifted)
-        for i, k in zip(at.tolist(), ks.tolist()):
-            index[self.shifts.rename_id(self.obligations[i].id, k)] = (i, k)
         own = np.asarray([self.obligations[i].ranks[0] for i in at.tolist()], dtype=np.int32)
         ranks, pcs = np.asarray(self.copied[0], dtype=np.int32), np.asarray(self.copied[1], dtype=np.int32)
         reps, mbs = np.empty(len(ranks), dtype=np.int32), np.zeros(len(ranks), dtype=np.int32)
-        if len(ranks):
+        if len(ranks):      # the stages a mirror may copy: recorded ones and microbatch copies, by id
+            index = {ob.id: (i, 0) for i, ob in enumerate(self.obligations)}
+            for i, k in zip(at.tolist(), ks.tolist()):
+                index[self.shifts.rename_id(self.obligations[i].id, k)] = (i, k)
             rep_of = np.full(self.plan.num_ranks, -1, dtype=np.int64)
             rep_of[list(self.mirrored)] = list(self.mirrored.values())
             where = rep_of[ranks] * (int(pcs.max()) + 1) + pcs
