@@ -30,7 +30,6 @@ import numpy as np
 from tv_ray.ir import Graph, Node, Op
 from tv_ray.ir.ops import VIEWS
 from tv_ray.partition.symmetry import Blocks
-from tv_ray.plan import gc_paused
 from tv_ray.semantics.symbolic import INF, NEG_INF, STRUCTURAL, choice, eval_symbolic
 from tv_ray.semantics.table import instantiate_shape
 from tv_ray.terms import Kind, Term, sum_
@@ -76,11 +75,6 @@ class LogicalTerms:
 
     @staticmethod
     def build(graph: Graph, dims: dict[str, int], blocks: Blocks | None = None) -> "LogicalTerms":
-        with gc_paused():       # millions of acyclic terms: the collector would walk them again and again (2.5x)
-            return LogicalTerms._build(graph, dims, blocks)
-
-    @staticmethod
-    def _build(graph: Graph, dims: dict[str, int], blocks: Blocks | None) -> "LogicalTerms":
         lt = LogicalTerms(graph, dims, nodes={n.name: n for n in graph.nodes}, blocks=blocks)
         small = blocks.small if blocks else dims
         varying = lt._varying     # floats computed from float inputs: these get atoms

@@ -327,6 +327,8 @@ class Mirrors:
 
     def rename_id(self, cid: StageId, k: int) -> StageId:
         """A stage or claim id of dp 0's slots as dp k's (a group across dp ranks 0 and k is the same group)."""
+        if len(cid.ranks) == 1:     # most ids: one rank's
+            return StageId(cid.kind, (self.image[k].get(cid.ranks[0], cid.ranks[0]),), cid.tensor)
         if len({self.block[r] for r in cid.ranks if self.block[r] in (0, k)}) > 1:
             return cid
         return cid.with_ranks(tuple(self.image[k].get(r, r) for r in cid.ranks))

@@ -179,6 +179,13 @@ def _make(kind: Kind, payload, args: tuple[Term, ...]) -> Term:
     return _intern(kind, payload, args, h.digest())
 
 
+# the slots' own setters (`Term.__setattr__` refuses): half the time of `object.__setattr__`, which looks each
+# name up again, in building a term
+_new = object.__new__
+_set_kind, _set_payload, _set_args, _set_digest, _set_hash = \
+    (getattr(Term, slot).__set__ for slot in ("kind", "payload", "args", "digest", "_hash"))
+
+
 def _intern(kind: Kind, payload, args: tuple[Term, ...], digest: bytes) -> Term:
     """The one live term with `digest`, made if there is none."""
     ref = _TABLE.get(digest)
@@ -186,12 +193,12 @@ def _intern(kind: Kind, payload, args: tuple[Term, ...], digest: bytes) -> Term:
         found = ref()
         if found is not None:
             return found
-    t = object.__new__(Term)
-    object.__setattr__(t, "kind", kind)
-    object.__setattr__(t, "payload", payload)
-    object.__setattr__(t, "args", args)
-    object.__setattr__(t, "digest", digest)
-    object.__setattr__(t, "_hash", int.from_bytes(digest[:8], "big", signed=True))
+    t = _new(Term)
+    _set_kind(t, kind)
+    _set_payload(t, payload)
+    _set_args(t, args)
+    _set_digest(t, digest)
+    _set_hash(t, int.from_bytes(digest[:8], "big", signed=True))
     ref = _TABLE[digest] = _Ref(t, _drop)
     ref.key = digest
     return t
@@ -228,11 +235,11 @@ def var(name: "str | Atom") -> Term:
 
 def atom_vars(base, indices: Iterable[tuple[int, ...]]) -> list[Term]:
     """`var(Atom(base, idx))` for each index, the text of `base` formatted once (a tensor's atoms)."""
-    head, tag, none = f"{base}[".encode(), _TAGS[Kind.VAR], (0).to_bytes(4, "big")
+    head, none, start = f"{base}[".encode(), (0).to_bytes(4, "big"), hashlib.sha256(_TAGS[Kind.VAR])
     out = []
     for idx in indices:
         p = head + ",".join(map(str, idx)).encode() + b"]"       # `str(Atom(base, idx))`, as `var` hashes it
-        h = hashlib.sha256(tag)
+        h = start.copy()
         h.update(len(p).to_bytes(4, "big"))
         h.update(p)
         h.update(none)
