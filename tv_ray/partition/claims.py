@@ -225,8 +225,8 @@ def runs_for(plan: Plan, dims: dict[str, int], seed: int = 0) -> tuple[list[Conc
     return runs, claims
 
 
-def candidates(value: np.ndarray, index: LogicalIndex) -> list[Claim]:
-    """Every slice of a logical tensor equal to `value` (at this run's point)."""
+def candidates(value: np.ndarray, index: LogicalIndex, only: str | None = None) -> list[Claim]:
+    """Every slice of a logical tensor (`only` that one) equal to `value` (at this run's point)."""
     if value.dtype.kind != "f" or value.size == 0:
         return []
     at = _anchor(value)
@@ -235,6 +235,8 @@ def candidates(value: np.ndarray, index: LogicalIndex) -> list[Claim]:
     pos = np.unravel_index(at, value.shape)
     found: list[Claim] = []
     for name, flat in index.near(float(value.reshape(-1)[at])):
+        if only is not None and name != only:
+            continue
         full = index.values[name]
         if full.ndim != value.ndim:
             continue
@@ -276,17 +278,25 @@ class _Matcher:
         values = [group_value(run, members, tensor) for run in self.runs]
         if any(v is None for v in values):
             return None
-        proposed: set[Claim] = set()
-        for proposer, value in enumerate(values):
-            proposed.update(candidates(value, self.index[proposer]))
-        found = [c for c in proposed if all(_equal(run.logical[c.logical][c.slices()], v)
-                                            for run, v in zip(self.runs, values))]
+        if prefer is not None:      # a claim on the tensor it realises outranks any other: look there first
+            found = self._found(values, prefer)
+            if found:
+                return found[0] if len(found) == 1 else None
+        found = self._found(values)
         if not found:
             return None
         rank = lambda c: (c.logical == prefer, -self.order.get(c.logical, -1))   # noqa: E731
         top = max(rank(c) for c in found)
         best = [c for c in found if rank(c) == top]
         return best[0] if len(best) == 1 else None     # still ambiguous: leave it interior
+
+    def _found(self, values: list[np.ndarray], only: str | None = None) -> list[Claim]:
+        """The slices (of logical tensor `only`) some run proposes that hold in every run."""
+        proposed: set[Claim] = set()
+        for proposer, value in enumerate(values):
+            proposed.update(candidates(value, self.index[proposer], only))
+        return [c for c in proposed if all(_equal(run.logical[c.logical][c.slices()], v)
+                                           for run, v in zip(self.runs, values))]
 
 
 def infer_claims(plan: Plan, runs: list[ConcreteRun], fixed: dict[tuple[int, str], Claim],

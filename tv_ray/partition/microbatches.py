@@ -104,16 +104,11 @@ class Shifts:
         name = self.named[self.program_of[cid.ranks[0]]].get((cid.tensor, k))
         return cid if name is None else StageId(cid.kind, cid.ranks, name)
 
-    def move(self, claim, k: int):
-        """A claim of block 0 as block k's."""
-        tag = self.blocks.tags.get(claim.logical)
-        return claim if tag is None else claim.shifted(tag.dim, k * self.blocks.size * tag.q)
-
     def shift(self, ob, k: int):
         """Stage `ob` of microbatch 0 as microbatch k's (its position, microbatch 0's)."""
         cid = self.rename_id(ob.id, k)
         reads = [self.rename_id(r, k) for r in ob.reads]
-        return type(ob)(cid, ob.ranks, ob.program, cid.tensor, self.move(ob.claim, k), ob.key,
+        return type(ob)(cid, ob.ranks, ob.program, cid.tensor, self.blocks.move(ob.claim, k), ob.key,
                         tuple(reads) if len(reads) < 2 else tuple(sorted(reads, key=str)), ob.op, ob.module,
                         ob.phase, ob.realises, k, ob.position, ob.notes)
 
@@ -219,7 +214,6 @@ class Renamed:
         first = self._conts.get(rank, {}).get(where)      # what `_continuation` continues from
         self._passed(state, node, Moved(first, k) if first is not None else self._continuation(rank, claim))
         return True
-
 
     def _append_moved(self, at: int, k: int, cid, members, state, node, claim, reads) -> None:
         """The stage of microbatch k that is recorded stage `at` (microbatch 0's) renamed: kept as a microbatch copy

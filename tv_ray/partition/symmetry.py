@@ -262,6 +262,11 @@ class Blocks:
             return name
         return name._replace(idx=tuple(idx))
 
+    def move(self, claim, k: int, width: int = 1):
+        """A claim on blocks [0, width) as blocks [k·width, (k+1)·width)'s (a claim without samples: itself)."""
+        tag = self.tags.get(claim.logical)
+        return claim if tag is None or k == 0 else claim.shifted(tag.dim, k * width * self.size * tag.q)
+
     def block_of(self, name) -> int | None:
         """The block (of one microbatch) a variable's sample lies in; None for a variable without samples."""
         tag = self.tags.get(name.base) if isinstance(name, Atom) and name.idx else None
@@ -350,10 +355,7 @@ class Mirrors:
 
     def move(self, claim: Claim, k: int) -> Claim:
         """dp 0's claim as dp k's: its samples moved by k runs of `width` blocks."""
-        tag = self.blocks.tags.get(claim.logical)
-        if tag is None or k == 0:
-            return claim
-        return claim.shifted(tag.dim, k * self.width * self.blocks.size * tag.q)
+        return self.blocks.move(claim, k, self.width)
 
 
 def mirrors(plan: Plan, dims: dict[str, int]) -> Mirrors:
