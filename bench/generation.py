@@ -44,7 +44,7 @@ def digest(part) -> str:
 def measure(model: str, spec: str, batch: int, mode: str) -> dict:
     """One generation of the config's stages, `whole` (this process) or `sharded` (Ray tasks on every core)."""
     import tv_ray
-    from tv_ray.partition.derive import claims_for, unmirrored
+    from tv_ray.partition.derive import derived_claims
     from tv_ray.engine.ray_executor import RayExecutor
     from tv_ray.partition.generate import ops_of, partition
     from tv_ray.partition.symmetry import find_mirrors
@@ -53,7 +53,7 @@ def measure(model: str, spec: str, batch: int, mode: str) -> dict:
                               dims={"batch": batch})
     dims = reduce_plan(plan).reduced
     found, notes = find_mirrors(plan, dims, True)
-    claims = claims_for(plan, dims, 0, unmirrored(plan, found))[1]
+    claims = derived_claims(plan, dims, found)[1]
     generation, width = {"shards": False}, 1
     if mode == "sharded":
         executor = RayExecutor()

@@ -65,7 +65,7 @@ def measure(model: str, layers: int, spec: str, batch: int, mode: str) -> dict:
     import tv_ray
     from tv_ray.models import get
     from tv_ray.engine.executor import LocalExecutor
-    from tv_ray.partition.derive import claims_for, unmirrored
+    from tv_ray.partition import derive
     from tv_ray.partition.generate import ops_of, partition
     from tv_ray.partition.symmetry import find_mirrors
     from tv_ray.reduce import reduce_plan
@@ -76,7 +76,10 @@ def measure(model: str, layers: int, spec: str, batch: int, mode: str) -> dict:
     planned = time.perf_counter()
     dims = reduce_plan(plan).reduced
     found, notes = find_mirrors(plan, dims, True)
-    claims = claims_for(plan, dims, 0, unmirrored(plan, found))[1]
+    if hasattr(derive, "derived_claims"):
+        claims = derive.derived_claims(plan, dims, found)[1]
+    else:           # a tree before microbatch k's claims were offered microbatch 0's
+        claims = derive.claims_for(plan, dims, 0, derive.unmirrored(plan, found))[1]
     claimed = time.perf_counter()
     workers = WORKERS.get(mode)
     pool = LocalExecutor(workers) if workers else None

@@ -3,6 +3,7 @@ the same stages, order and keys as evaluating every op, and an op that is not it
 evaluated — a microbatch that differs is verified, not renamed."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -13,9 +14,12 @@ from tv_ray.engine.executor import LocalExecutor
 from tv_ray.engine.solve import Budget
 from tv_ray.ir import Op
 from tv_ray.parallel.spec import ParallelSpec
+from tv_ray.partition.claims import _Matcher
 from tv_ray.partition.compose import composition_problems
+from tv_ray.partition.derive import claims_for
 from tv_ray.partition.generate import partition
 from tv_ray.partition.microbatches import counterparts
+from tv_ray.partition.symmetry import microbatch_moves
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from mutants import _like, edit, with_program  # noqa: E402
@@ -85,3 +89,45 @@ def test_a_stage_of_microbatch_k_is_kept_as_microbatch_0s_and_stands_or_falls_wi
     assert composition_problems(plan, part, everything) == []
     problems = composition_problems(plan, part, everything - {first_of[read]})
     assert f"stage {reader.id} reads {first_of[read]}, which is neither boundary lineage nor proved" in problems
+
+
+class _Misplaced:
+    """Blocks whose move lands one block too far: an offered claim with samples never holds."""
+
+    def __init__(self, blocks):
+        self.tags = blocks.tags
+        self._blocks = blocks
+
+    def move(self, claim, k, width=1):
+        return self._blocks.move(claim, k + 1, width)
+
+
+def test_microbatch_ks_ops_take_their_counterparts_claims_moved_only_where_they_hold(claimed, monkeypatch):
+    """Claims by value (`infer_claims`): microbatch 1's ops are offered microbatch 0's claims moved to block 1,
+    kept where they hold in every concrete run; where the offer is wrong they are matched by search. The plan
+    without its stated interior lineage, so that every claim inside a stage is matched by value."""
+    plan, dims, _ = claimed("tp=2,mb=2")
+    plan = dataclasses.replace(plan, interior=[])
+    blocks = microbatch_moves(plan, dims, None, True).blocks
+    searches = []
+    best = _Matcher.best
+    monkeypatch.setattr(_Matcher, "best", lambda self, *a: searches.append(a[1]) or best(self, *a))
+    runs, searched = claims_for(plan, dims)
+    alone = len(searches)
+    offered = claims_for(plan, dims, runs=runs, blocks=blocks)[1]
+    offers = alone - (len(searches) - alone)      # searches the offers saved
+    misplaced = claims_for(plan, dims, runs=runs, blocks=_Misplaced(blocks))[1]
+    matcher = _Matcher(plan, runs, [n for n, v in runs[0].logical.items() if v.dtype.kind == "f"])
+    names, ids = plan.rank_programs()
+    taken = wrong = 0
+    for rank in range(plan.num_ranks):
+        for op, base in counterparts(plan.programs[names[ids[rank]]]).items():
+            first, mine = offered.get((rank, base)), offered.get((rank, op))
+            if first is None or mine is None or first.partial or blocks.tags.get(first.logical) is None:
+                continue
+            assert matcher.holds((rank,), op, mine)
+            taken += mine == blocks.move(first, 1)
+            # the misplaced offer never holds: microbatch 1's op is matched by search, as without an offer
+            assert misplaced.get((rank, op)) == searched.get((rank, op)), (rank, op)
+            wrong += 1
+    assert taken > 500 and wrong >= taken and offers >= taken

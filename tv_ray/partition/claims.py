@@ -17,20 +17,29 @@ proved like any other, and a false one is reported where it is false.
 
 Matching prefers the logical node the physical op says it realises (meta
 ``realises``), then the earliest equal value in logical order (later equal
-values are copies of it).
+values are copies of it). With microbatch symmetry (`Blocks`), an op of
+microbatch k ≥ 1 paired with one of microbatch 0 (`counterparts`) is first
+offered that op's claim moved to block k, taken where it holds in every run
+— the claim stage generation renames its stage by; else it is matched by
+search like any other.
 """
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tv_ray.execute import Scheduler
 from tv_ray.ir import Node
+from tv_ray.partition.microbatches import counterparts
 from tv_ray.plan import Plan
 from tv_ray.semantics import run_graph
 from tv_ray.simulate import draw_inputs, rank_inputs
+
+if TYPE_CHECKING:
+    from tv_ray.partition.symmetry import Blocks
 
 RTOL = 1e-9
 ATOL = 1e-12
@@ -271,6 +280,8 @@ class _Matcher:
         self.index = [LogicalIndex(run.logical, eligible) for run in runs]
         self.order = {name: i for i, name in enumerate([s.name for s in plan.logical.inputs] +
                                                        [n.name for n in plan.logical.nodes])}
+        # (rank, tensor) whose values matched several claims, or in some run had no distinctive element
+        self.ambiguous: set[tuple[int, str]] = set()
 
     def best(self, members: tuple[int, ...], tensor: str, prefer: str | None) -> Claim | None:
         """The claim that holds in every run, proposed by any run (in some runs a value is degenerate: equal
@@ -278,17 +289,26 @@ class _Matcher:
         values = [group_value(run, members, tensor) for run in self.runs]
         if any(v is None for v in values):
             return None
-        if prefer is not None:      # a claim on the tensor it realises outranks any other: look there first
-            found = self._found(values, prefer)
-            if found:
-                return found[0] if len(found) == 1 else None
-        found = self._found(values)
-        if not found:
-            return None
-        rank = lambda c: (c.logical == prefer, -self.order.get(c.logical, -1))   # noqa: E731
-        top = max(rank(c) for c in found)
-        best = [c for c in found if rank(c) == top]
-        return best[0] if len(best) == 1 else None     # still ambiguous: leave it interior
+        best = self._found(values, prefer) if prefer is not None else []   # a claim on the tensor it realises
+        if not best:                                                        # outranks any other: look there first
+            found = self._found(values)
+            if not found:
+                if any(_anchor(v) is None for v in values):   # a run with nothing to match by: unsure
+                    self.ambiguous.update((m, tensor) for m in members)
+                return None
+            rank = lambda c: (c.logical == prefer, -self.order.get(c.logical, -1))   # noqa: E731
+            top = max(rank(c) for c in found)
+            best = [c for c in found if rank(c) == top]
+        if len(best) == 1:
+            return best[0]
+        self.ambiguous.update((m, tensor) for m in members)   # still ambiguous: leave it interior
+        return None
+
+    def holds(self, members: tuple[int, ...], tensor: str, claim: Claim) -> bool:
+        """Does `claim` hold in every run?"""
+        values = [group_value(run, members, tensor) for run in self.runs]
+        return all(v is not None and _equal(run.logical[claim.logical][claim.slices()], v)
+                   for run, v in zip(self.runs, values))
 
     def _found(self, values: list[np.ndarray], only: str | None = None) -> list[Claim]:
         """The slices (of logical tensor `only`) some run proposes that hold in every run."""
@@ -300,20 +320,39 @@ class _Matcher:
 
 
 def infer_claims(plan: Plan, runs: list[ConcreteRun], fixed: dict[tuple[int, str], Claim],
-                 eligible: list[str], ranks: np.ndarray | None = None) -> dict[tuple[int, str], Claim]:
+                 eligible: list[str], ranks: np.ndarray | None = None,
+                 blocks: "Blocks | None" = None) -> dict[tuple[int, str], Claim]:
     """Claims for every float tensor a rank produces: boundary ones as given, others matched by value — on
-    `ranks` (a mask; None: all), and for the groups those ranks are in."""
+    `ranks` (a mask; None: all), and for the groups those ranks are in. `blocks`: one block per microbatch
+    (of dp rank 0, on every rank in `ranks`), where microbatch k's ops are first offered their counterparts'
+    claims moved to block k."""
     matcher = _Matcher(plan, runs, eligible)
     names, ids = plan.rank_programs()
     nodes: dict[str, dict[str, Node]] = {n: {node.name: node for node in plan.programs[n].nodes} for n in names}
+    pairs = {n: counterparts(plan.programs[n]) for n in names} if blocks is not None else {}
     claims = dict(fixed)
     unmatched: list[tuple[int, str]] = []
+    follows: dict[tuple[int, str], str] = {}     # (rank, op of microbatch k) -> its counterpart, looked at first
+    looked: set[tuple[int, str]] = set()
     for rank, tensor in runs[0].order:
         if (rank, tensor) in claims or (ranks is not None and not ranks[rank]):
             continue
-        node = nodes[names[ids[rank]]][tensor]
+        name = names[ids[rank]]
+        node = nodes[name][tensor]
         if node.dtype != "float" or tensor not in runs[0].ranks[rank]:
             continue
+        base = pairs[name].get(tensor) if pairs else None
+        if base is not None and (rank, base) in looked and (rank, base) not in matcher.ambiguous:
+            follows[rank, tensor] = base
+            first = claims.get((rank, base))
+            if first is None:           # unmatched alone: a group's part, maybe, like its counterpart's
+                unmatched.append((rank, tensor))
+                continue
+            moved = blocks.move(first, node.get_meta("mb"))
+            if not first.partial and matcher.holds((rank,), tensor, moved):
+                claims[rank, tensor] = moved
+                continue
+        looked.add((rank, tensor))
         claim = matcher.best((rank,), tensor, node.get_meta("realises"))
         if claim is not None:
             claims[rank, tensor] = claim
@@ -326,6 +365,17 @@ def infer_claims(plan: Plan, runs: list[ConcreteRun], fixed: dict[tuple[int, str
         if (rank, tensor) in claims:
             continue
         node = nodes[names[ids[rank]]][tensor]
+        base = follows.get((rank, tensor))
+        if base is not None and (rank, base) not in matcher.ambiguous:
+            first = claims.get((rank, base))
+            if first is None or not first.partial:
+                continue                # interior, like its counterpart (or its claim moved did not hold)
+            members = tuple(plan.group(rank, first.partial))
+            moved = blocks.move(first, node.get_meta("mb"))
+            if not any((m, tensor) in claims for m in members) and matcher.holds(members, tensor, moved):
+                for m in members:
+                    claims[m, tensor] = moved
+                continue
         for subset in subsets:
             members = tuple(plan.group(rank, subset))
             if (members, tensor) in tried or any((m, tensor) in claims for m in members):

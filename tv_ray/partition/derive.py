@@ -31,7 +31,7 @@ from tv_ray.partition.claims import (Claim, ConcreteRun, group_value, infer_clai
 from tv_ray.partition.generate import Generate, ops_of, partition
 from tv_ray.partition.ids import StageId
 from tv_ray.partition.stages import Partition
-from tv_ray.partition.symmetry import Mirrors, find_mirrors
+from tv_ray.partition.symmetry import Blocks, Mirrors, find_mirrors, microbatch_moves
 from tv_ray.plan import Plan
 from tv_ray.reduce import Reduction, reduce_plan
 from tv_ray.semantics.table import instantiate_shape
@@ -99,10 +99,11 @@ class Derivation:
 
 
 def claims_for(plan: Plan, dims: dict[str, int], seed: int = 0, ranks: np.ndarray | None = None,
-               runs: list[ConcreteRun] | None = None):
+               runs: list[ConcreteRun] | None = None, blocks: Blocks | None = None):
     """The concrete runs (`runs` when they were made already) and the claims of `ranks` (a mask; None: every
     rank) — boundary lineage, intermediate lineage, then matched by value: a mirrored rank's claims are its
-    representative's, moved, so it needs none of its own.
+    representative's, moved, so it needs none of its own. `blocks`: the microbatch symmetry's blocks, by which
+    microbatch k's ops are first offered microbatch 0's claims moved (`infer_claims`).
 
     A plan larger than `CONCRETE_LIMIT` op executions is not run concretely: its claims are its lineage
     (boundary and intermediate) alone, made only on `ranks`, nothing is matched by value and no output is
@@ -117,7 +118,14 @@ def claims_for(plan: Plan, dims: dict[str, int], seed: int = 0, ranks: np.ndarra
     fixed = {**input_claims(plan, shapes, ranks), **interior_claims(plan, shapes, ranks),
              **output_claims(plan, shapes, ranks)}
     eligible = [name for name, value in runs[0].logical.items() if value.dtype.kind == "f"]
-    return runs, infer_claims(plan, runs, fixed, eligible, ranks)
+    return runs, infer_claims(plan, runs, fixed, eligible, ranks, blocks)
+
+
+def derived_claims(plan: Plan, dims: dict[str, int], found: Mirrors | None, symmetry: bool = True, seed: int = 0):
+    """`claims_for` as a derivation makes them: on the ranks not mirrored (`found`), microbatch k's ops offered
+    microbatch 0's claims moved where the plan has microbatch symmetry."""
+    moves = microbatch_moves(plan, dims, found, symmetry)
+    return claims_for(plan, dims, seed, unmirrored(plan, found), blocks=moves.blocks if moves else None)
 
 
 def unmirrored(plan: Plan, found: Mirrors | None) -> np.ndarray | None:
@@ -153,7 +161,7 @@ def derive_claims(plan: Plan, settings: Settings = Settings()) -> Derivation:
     Raises CommunicationError when the plan's communication cannot complete."""
     reduction = reduce_plan(plan)
     found, notes = find_mirrors(plan, reduction.reduced, settings.symmetry)
-    runs, claims = claims_for(plan, reduction.reduced, settings.seed, unmirrored(plan, found))
+    runs, claims = derived_claims(plan, reduction.reduced, found, settings.symmetry, settings.seed)
     return Derivation(plan, settings, reduction, found, notes, runs, claims, output_deviations(plan, runs),
                       complete=found is None)
 
@@ -167,5 +175,5 @@ def derive(plan: Plan, settings: Settings = Settings(), dropped: Iterable[tuple[
     return derivation
 
 
-__all__ = ["Settings", "Derivation", "derive", "derive_claims", "claims_for", "output_deviations", "unmirrored",
+__all__ = ["Settings", "Derivation", "derive", "derive_claims", "claims_for", "derived_claims", "output_deviations", "unmirrored",
            "CONCRETE_LIMIT"]
