@@ -210,7 +210,10 @@ class LogicalIndex:
 
 
 def _anchor(value: np.ndarray) -> int | None:
-    """The flat index of a distinctive element (not 0, ±1 or an integer), or None for a constant-looking tensor."""
+    """The flat index of a distinctive element (not 0, ±1 or an integer), or None for a constant-looking tensor
+    (or one without floats)."""
+    if value.dtype.kind != "f" or value.size == 0:
+        return None
     flat = value.reshape(-1)
     finite = np.isfinite(flat)
     ok = finite & (np.abs(np.where(finite, flat, 0) - np.round(np.where(finite, flat, 0))) > 1e-6)
@@ -234,13 +237,9 @@ def runs_for(plan: Plan, dims: dict[str, int], seed: int = 0) -> tuple[list[Conc
     return runs, claims
 
 
-def candidates(value: np.ndarray, index: LogicalIndex, only: str | None = None) -> list[Claim]:
-    """Every slice of a logical tensor (`only` that one) equal to `value` (at this run's point)."""
-    if value.dtype.kind != "f" or value.size == 0:
-        return []
-    at = _anchor(value)
-    if at is None:
-        return []
+def candidates(value: np.ndarray, at: int, index: LogicalIndex, only: str | None = None) -> list[Claim]:
+    """Every slice of a logical tensor (`only` that one) equal to `value` (at this run's point), found by its
+    element `at` (`_anchor`)."""
     pos = np.unravel_index(at, value.shape)
     found: list[Claim] = []
     for name, flat in index.near(float(value.reshape(-1)[at])):
@@ -289,11 +288,13 @@ class _Matcher:
         values = [group_value(run, members, tensor) for run in self.runs]
         if any(v is None for v in values):
             return None
-        best = self._found(values, prefer) if prefer is not None else []   # a claim on the tensor it realises
-        if not best:                                                        # outranks any other: look there first
-            found = self._found(values)
+        anchors = [_anchor(v) for v in values]
+        # a claim on the tensor the op realises outranks any other: look there first
+        best = self._found(values, anchors, prefer) if prefer is not None else []
+        if not best:
+            found = self._found(values, anchors)
             if not found:
-                if any(_anchor(v) is None for v in values):   # a run with nothing to match by: unsure
+                if None in anchors:     # a run with nothing to match by: unsure
                     self.ambiguous.update((m, tensor) for m in members)
                 return None
             rank = lambda c: (c.logical == prefer, -self.order.get(c.logical, -1))   # noqa: E731
@@ -307,16 +308,18 @@ class _Matcher:
     def holds(self, members: tuple[int, ...], tensor: str, claim: Claim) -> bool:
         """Does `claim` hold in every run?"""
         values = [group_value(run, members, tensor) for run in self.runs]
-        return all(v is not None and _equal(run.logical[claim.logical][claim.slices()], v)
-                   for run, v in zip(self.runs, values))
+        return all(v is not None for v in values) and self._holds(values, claim)
 
-    def _found(self, values: list[np.ndarray], only: str | None = None) -> list[Claim]:
+    def _holds(self, values: list[np.ndarray], claim: Claim) -> bool:
+        return all(_equal(run.logical[claim.logical][claim.slices()], v) for run, v in zip(self.runs, values))
+
+    def _found(self, values: list[np.ndarray], anchors: list[int | None], only: str | None = None) -> list[Claim]:
         """The slices (of logical tensor `only`) some run proposes that hold in every run."""
         proposed: set[Claim] = set()
-        for proposer, value in enumerate(values):
-            proposed.update(candidates(value, self.index[proposer], only))
-        return [c for c in proposed if all(_equal(run.logical[c.logical][c.slices()], v)
-                                           for run, v in zip(self.runs, values))]
+        for index, value, at in zip(self.index, values, anchors):
+            if at is not None:
+                proposed.update(candidates(value, at, index, only))
+        return [c for c in proposed if self._holds(values, c)]
 
 
 def infer_claims(plan: Plan, runs: list[ConcreteRun], fixed: dict[tuple[int, str], Claim],

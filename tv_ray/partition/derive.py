@@ -175,5 +175,5 @@ def derive(plan: Plan, settings: Settings = Settings(), dropped: Iterable[tuple[
     return derivation
 
 
-__all__ = ["Settings", "Derivation", "derive", "derive_claims", "claims_for", "derived_claims", "output_deviations", "unmirrored",
-           "CONCRETE_LIMIT"]
+__all__ = ["Settings", "Derivation", "derive", "derive_claims", "claims_for", "derived_claims", "output_deviations",
+           "unmirrored", "CONCRETE_LIMIT"]
