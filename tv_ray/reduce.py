@@ -464,19 +464,21 @@ def _cleared(expr: Expr) -> tuple[Expr, Expr]:
 def _z3_solve(conditions: list[SideCondition], full: Dims, low: Dims) -> tuple[dict[str, int] | None, str]:
     import z3
 
-    dims = {d: z3.Int(d) for d in full}
+    # a context of its own: z3's is not thread-safe, and the solver backends check in worker threads on theirs
+    ctx = z3.Context()
+    dims = {d: z3.Int(d, ctx) for d in full}
 
     def term(expr: Expr):
-        total = 0
+        total = z3.IntVal(0, ctx)
         for mono, coef in expr.terms:
-            product = z3.IntVal(int(coef))
+            product = z3.IntVal(int(coef), ctx)
             for name, exp in mono:
                 for _ in range(exp):
                     product = product * dims[name]
             total = total + product
         return total
 
-    opt = z3.Optimize()
+    opt = z3.Optimize(ctx=ctx)
     opt.set("timeout", Z3_TIMEOUT_MS)
     for d, var in dims.items():
         opt.add(var >= low[d], var <= full[d])
@@ -484,7 +486,7 @@ def _z3_solve(conditions: list[SideCondition], full: Dims, low: Dims) -> tuple[d
         numerator, denominator = _cleared(cond.atom.expr)
         n, m = term(numerator), term(denominator)
         if cond.atom.kind == "integer":
-            opt.add(n == m * z3.Int(f"q{i}"))
+            opt.add(n == m * z3.Int(f"q{i}", ctx))
         else:
             opt.add(n >= cond.atom.bound * m)
     opt.minimize(z3.Sum(list(dims.values())))

@@ -516,6 +516,29 @@ def test_warm_processes_survive_many_queries_without_restart():
         assert {s.solver.pid for s in b._solvers.values()} == pids and not any(map(_gone, pids))
 
 
+def test_z3_frees_each_querys_terms_when_it_drops_the_solver_not_in_the_collector():
+    """pysmt's z3 converter is cyclic garbage once its solver is dropped; were its z3 terms left to its finaliser,
+    the collector would dec-ref them from whatever thread it runs in, possibly while another check runs in the
+    same z3 context (not thread-safe). Every term is freed at the drop instead, and nothing is left to the
+    collector."""
+    import gc
+
+    from pysmt.solvers.z3 import Z3Converter
+    x, y = var("x"), var("y")
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        gc.collect()
+        for lhs, rhs, verdict in [(mul(x, y), add(x, const(1)), "refuted"), (div(mul(x, y), y), x, "proved")]:
+            assert prove(lhs, rhs, solvers=("z3",)).verdict == verdict
+        left = [c for c in gc.get_objects() if isinstance(c, Z3Converter)]
+        assert left and not [c for c in left if c.memoization]       # dropped, and holding no z3 term
+        assert not any(hasattr(s, "z3") for s in gc.get_objects() if type(s).__name__ == "Z3Solver")
+    finally:
+        if collecting:
+            gc.enable()
+
+
 def test_serve_answers_like_an_smtlib_solver():
     import io
     from tv_ray.smt.serve import serve

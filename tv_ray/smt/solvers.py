@@ -234,7 +234,23 @@ class Z3Backend(Backend):
         solver.z3.set("timeout", max(1, int(timeout_s * 1000)))
 
     def _interrupt(self, solver):
-        solver.z3.interrupt()  # this solver only; harmless when it is idle
+        z3 = getattr(solver, "z3", None)    # gone once the solver is closed
+        if z3 is not None:
+            z3.interrupt()                  # this solver only; harmless when it is idle
+
+    def _close(self, solver):
+        """Free the query's z3 terms now, in the thread that drops the solver, with no check running: pysmt's
+        converter sits in a reference cycle, and its finaliser — run by the cyclic collector in whatever thread
+        allocates next — would dec-ref z3 terms while a check runs in another thread on the same z3 context,
+        which z3 does not allow (its term manager is not thread-safe)."""
+        import z3
+        converter = solver.converter
+        context = converter.ctx.ref()
+        for term in converter.memoization.values():
+            z3.Z3_dec_ref(context, term)
+        converter.memoization.clear()
+        converter._back_memoization.clear()
+        solver.exit()
 
     def _unknown_reason(self, solver):
         return f"z3 said unknown: {solver.z3.reason_unknown()}"
