@@ -523,7 +523,7 @@ def test_z3_frees_each_querys_terms_when_it_drops_the_solver_not_in_the_collecto
     collector."""
     import gc
 
-    from pysmt.solvers.z3 import Z3Converter
+    from pysmt.solvers.z3 import Z3Converter, Z3Solver
     x, y = var("x"), var("y")
     collecting = gc.isenabled()
     gc.disable()
@@ -531,9 +531,9 @@ def test_z3_frees_each_querys_terms_when_it_drops_the_solver_not_in_the_collecto
         gc.collect()
         for lhs, rhs, verdict in [(mul(x, y), add(x, const(1)), "refuted"), (div(mul(x, y), y), x, "proved")]:
             assert prove(lhs, rhs, solvers=("z3",)).verdict == verdict
-        left = [c for c in gc.get_objects() if isinstance(c, Z3Converter)]
+        left = [c for c in gc.get_objects() if type(c) is Z3Converter]     # type(): no object's own __class__
         assert left and not [c for c in left if c.memoization]       # dropped, and holding no z3 term
-        assert not any(hasattr(s, "z3") for s in gc.get_objects() if type(s).__name__ == "Z3Solver")
+        assert not any(hasattr(s, "z3") for s in gc.get_objects() if type(s) is Z3Solver)
     finally:
         if collecting:
             gc.enable()
