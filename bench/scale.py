@@ -4,7 +4,8 @@
                           [--out bench/results/scale.json] [--modes templates,baseline|stepped|evaluated|before|workers2]
                           [--before DIR] [--plot bench/results/scale.png]
 
-A config is MODEL:LAYERS:SPEC:BATCH (LAYERS overrides the model's depth: the sweeps over 4, 8, 16, 32 layers).
+A config is MODEL:LAYERS:SPEC:BATCH[:ZERO] (LAYERS overrides the model's depth: the sweeps over 4, 8, 16, 32
+layers; ZERO the ZeRO stage, 0 by default).
 Each (config, mode) runs in its own child process (their peaks do not add up): capture and plan, the claims,
 then the stages (`partition`, one process, whole: `--shards off`), AdamW and clipping on. Per row: wall seconds
 per phase, peak RSS, stages (obligations), stages keyed by template without being built, unique keys, and
@@ -61,7 +62,7 @@ MODES = {"templates": {"templates": True, "virtual": True}, "baseline": {"templa
 WORKERS = {"workers2": 2}      # modes whose stages run as pipeline shards in that many worker processes
 
 
-def measure(model: str, layers: int, spec: str, batch: int, mode: str) -> dict:
+def measure(model: str, layers: int, spec: str, batch: int, mode: str, zero: int = 0) -> dict:
     import tv_ray
     from tv_ray.models import get
     from tv_ray.engine.executor import LocalExecutor
@@ -72,7 +73,8 @@ def measure(model: str, layers: int, spec: str, batch: int, mode: str) -> dict:
     started = time.perf_counter()
     base = get(model)
     model_spec = base.with_dims({**base.dims, "batch": batch}, layers=layers)
-    plan = tv_ray.parallelize(tv_ray.capture_step(model_spec, optim="adamw", clip=1.0), spec, model=model_spec)
+    plan = tv_ray.parallelize(tv_ray.capture_step(model_spec, optim="adamw", clip=1.0), spec, model=model_spec,
+                              zero=zero)
     planned = time.perf_counter()
     dims = reduce_plan(plan).reduced
     found, notes = find_mirrors(plan, dims, True)
@@ -88,7 +90,7 @@ def measure(model: str, layers: int, spec: str, batch: int, mode: str) -> dict:
     done = time.perf_counter()
     if pool:
         pool.close()
-    return {"model": model, "layers": layers, "parallel": spec, "batch": batch, "ranks": plan.num_ranks,
+    return {"model": model, "layers": layers, "parallel": spec, "batch": batch, "zero": zero, "ranks": plan.num_ranks,
             "templates": MODES[mode]["templates"], "mode": mode, "ops": ops_of(plan, range(plan.num_ranks)),
             "stages": part.size, "recorded": len(part.obligations), "templated": part.templated,
             "stood_in": part.stood_in, "unique": len(part.formulas),
@@ -143,22 +145,23 @@ def main() -> int:
     parser.add_argument("--plot", default="")
     parser.add_argument("--before", default="", help="a checkout of an earlier tree: mode `before` runs today's "
                                                      "settings on its tv_ray")
-    parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        model, layers, spec, batch, mode = args.child
-        print(json.dumps(measure(model, int(layers), spec, int(batch), mode)), flush=True)
+        model, layers, spec, batch, mode, zero = args.child
+        print(json.dumps(measure(model, int(layers), spec, int(batch), mode, int(zero))), flush=True)
         return 0
     out = Path(args.out)
     rows = json.loads(out.read_text())["rows"] if out.exists() else []
     ok = True
     for config in (sweep(args.sweep) if args.sweep else args.configs).split(";"):
-        model, layers, spec, batch = config.split(":")
+        model, layers, spec, batch, *zero = config.split(":")
         got = {}
         for mode in args.modes.split(","):
             env = {**os.environ, "PYTHONPATH": args.before} if mode == "before" else None
             child = subprocess.run([sys.executable, __file__, "--child", model, layers, spec, batch,
-                                    "templates" if mode == "before" else mode], capture_output=True, text=True, env=env)
+                                    "templates" if mode == "before" else mode, zero[0] if zero else "0"],
+                                   capture_output=True, text=True, env=env)
             if child.returncode:
                 print(child.stderr[-3000:], file=sys.stderr)
                 ok = False
@@ -186,7 +189,7 @@ def main() -> int:
 
 def _config(row: dict) -> tuple:
     mode = row.get("mode", "templates" if row["templates"] else "baseline")
-    return row["model"], row["layers"], row["parallel"], row["batch"], mode
+    return row["model"], row["layers"], row["parallel"], row["batch"], mode, row.get("zero", 0)
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -198,12 +201,12 @@ def plot(rows: list[dict], path: str) -> None:
     labels = {"templates": "today", "baseline": "every stage built", "stepped": "mirrored ranks stepped"}
     for mode in ("templates", "baseline"):
         pts = sorted((r["layers"], r["seconds"]["stages"]) for r in rows
-                     if _config(r)[4] == mode and r["parallel"] == "dp=4,tp=8,pp=4,mb=8")
+                     if _config(r)[4:] == (mode, 0) and r["parallel"] == "dp=4,tp=8,pp=4,mb=8")
         if pts:
             by_layers.plot(*zip(*pts), marker="o", label=labels[mode])
     for mode in ("templates", "stepped"):
         pts = sorted((int(r["parallel"].split(",")[0][3:]), r["seconds"]["stages"]) for r in rows
-                     if _config(r)[4] == mode and r["layers"] == 4 and r["parallel"].endswith(",tp=8,pp=4,mb=8"))
+                     if _config(r)[4:] == (mode, 0) and r["layers"] == 4 and r["parallel"].endswith(",tp=8,pp=4,mb=8"))
         if pts:
             by_dp.plot(*zip(*pts), marker="o", label=labels[mode])
     by_layers.set_xlabel("layers (llama3-8b, dp=4,tp=8,pp=4,mb=8)")

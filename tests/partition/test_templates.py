@@ -8,11 +8,13 @@ import pytest
 
 from tv_ray import api
 from tv_ray.partition import stages as stages_module
+from tv_ray.partition.claims import Claim
 from tv_ray.partition.derive import claims_for
 from tv_ray.partition.generate import partition
 from tv_ray.partition.ids import Part
 from tv_ray.partition.keys import formula_key
-from tv_ray.partition.templates import Templates
+from tv_ray.partition.logical import LogicalTerms
+from tv_ray.partition.templates import Templates, leaf
 from tv_ray.reduce import reduce_plan
 from tv_ray.terms import Kind, postorder, substitute, var
 from tv_ray.terms.atom import Atom
@@ -52,12 +54,15 @@ def test_every_instance_of_a_template_is_the_built_one_renamed(claimed, monkeypa
     descriptor, expand = Templates.descriptor, stages_module.expand
     last = {}
     contributions, instances = set(), {}
+    regions: dict[str, set] = {}            # aligned template -> the offsets of its instances' regions
 
     def spy_descriptor(self, provenance, claim, width=0):
         key = descriptor(self, provenance, claim, width)
         last["template"], last["numbers"] = key, dict(self.numbers)
         if width:
             contributions.add(key)
+        if not width and self.aligned(provenance, claim):
+            regions.setdefault(key, set()).add(claim.offsets)
         return key
 
     def spy_expand(lhs, rhs, logical):
@@ -91,6 +96,9 @@ def test_every_instance_of_a_template_is_the_built_one_renamed(claimed, monkeypa
     assert {t: len(forms) for t, forms in seen.items() if len(forms) > 1} == {}
     if request.node.callspec.params["claimed"][1] == "dp=2,tp=2,pp=2":
         assert sum(instances.get(t, 0) > 1 for t in contributions) > 10     # compared across instances
+    # aligned stages (an optimizer's update of a tensor-parallel or ZeRO shard): one template for the regions at
+    # different offsets, each instance built and found the first one renamed
+    assert sum(len(offsets) > 1 and len(seen.get(t, ())) == 1 for t, offsets in regions.items()) > 5
 
 
 def test_templates_key_most_stages_without_building_them_and_change_no_stage(claimed):
@@ -196,3 +204,28 @@ def test_an_op_that_reads_the_rank_coordinate_is_never_shared_across_ranks():
                               templates=templates)
         assert outcome.status == "proved"
         assert (0, entry.tensor) not in outcome.dropped and (1, entry.tensor) in outcome.dropped
+
+
+def test_an_aligned_stage_writes_its_region_relative_and_nothing_else_is_aligned():
+    """An optimizer's elementwise update of one shard (gradient clipping: grad x clip coefficient) is the same
+    template wherever the shard lies; read from another region, through a partial claim, through a matrix product,
+    or cut at a reduction, it is not aligned and its offsets stay absolute."""
+    plan = api.parallelize(api.capture_step("llama3-tiny", optim="adamw", clip=1.0), "tp=2", model="llama3-tiny")
+    dims = reduce_plan(plan).reduced
+    templates = Templates(LogicalTerms.build(plan.logical, dims, None), dims)
+    grad, coef = "t_74", "optim.clip_coef"
+    clipped = "optim.layers.0.attn.q_proj.weight.grad_clipped"
+    assert templates.logical.nodes[clipped].args == (grad, coef)
+
+    def stage(at: int, read_at: int, op: str = "mul", partial: tuple = ()):
+        leaves = (leaf(Claim(grad, (read_at, 0), (4, 8), partial)), leaf(Claim(coef, (), ())))
+        return ("o", (op, (), (4, 8), "float"), 3, leaves), Claim(clipped, (at, 0), (4, 8))
+
+    assert templates.aligned(*stage(0, 0)) and templates.aligned(*stage(4, 4))
+    assert templates.descriptor(*stage(0, 0)) == templates.descriptor(*stage(4, 4))
+    for odd in (stage(0, 4), stage(0, 0, partial=("tp",)), stage(0, 0, op="mm")):
+        assert not templates.aligned(*odd)
+    assert templates.descriptor(*stage(0, 4)) != templates.descriptor(*stage(4, 0))
+    summed = "optim.layers.0.attn.q_proj.weight.grad_sq_sum"          # a reduction: not elementwise
+    assert not templates.aligned(("o", ("sum", (), (), "float"), 2, (leaf(Claim(grad, (0, 0), (8, 8))),)),
+                                 Claim(summed, (), ()))

@@ -40,7 +40,14 @@ docs/templates.md gives the argument and what is *not* templated:
 - cones of more than `MAX_CONE` ops.
 
 Offsets are absolute, so stages of different tensor-parallel ranks (which
-hold other slices) are different templates; layers share them.
+hold other slices) are different templates; layers share them — except for an
+*aligned* stage (`Templates.aligned`): elementwise ops on one region of
+same-shaped tensors made of their own atoms (and whole 0-d tensors), cut at
+an elementwise logical op, such as an optimizer's update of a weight shard.
+Its formula at element i reads element i of each region alone, so the region's
+offsets are written relative (the same stage on another tensor-parallel or
+ZeRO shard is a renaming of it: every atom index shifted by the offsets'
+difference); docs/templates.md, "Aligned stages".
 """
 from __future__ import annotations
 
@@ -49,6 +56,7 @@ import hashlib
 import numpy as np
 
 from tv_ray.ir import Node, Op
+from tv_ray.ir.ops import ELEMENTWISE
 from tv_ray.partition.claims import Claim
 from tv_ray.partition.ids import StageId
 from tv_ray.partition.logical import LogicalTerms
@@ -58,7 +66,8 @@ from tv_ray.terms.atom import Atom
 
 MAX_CONE = 64          # physical ops since the last cuts beyond which a stage is not templated
 COORDINATE_OPS = frozenset({Op.AXIS_INDEX, Op.LOCAL_CHUNK})   # their value is a function of the rank's coordinate
-TEMPLATE_VERSION = b"tv-ray-template/3"
+TEMPLATE_VERSION = b"tv-ray-template/4"
+ALIGNED_OPS = frozenset(str(op) for op in ELEMENTWISE)     # as a signature names them
 
 
 def leaf(claim: Claim) -> tuple:
@@ -89,6 +98,7 @@ class Templates:
         self.hits = 0
         self._signatures: dict[int, tuple] = {}
         self._classes: dict[str, str] = {}
+        self._own: dict[str, bool] = {}          # tensor -> is every element its own atom (`klass`)
         self._last: tuple = (None, None, "", 0)  # (provenance, claim, template, width) of the last descriptor
 
     def signature(self, node: Node) -> tuple:
@@ -134,15 +144,58 @@ class Templates:
         value = lt.value[tensor]
         h = hashlib.sha256(repr((self._shallow(tensor), value.shape,
                                  None if node is None else [self._shallow(a) for a in node.args])).encode())
+        own = True
         for idx in np.ndindex(value.shape):
             x = value[idx]
             if isinstance(x, Term) and x.kind is Kind.VAR and isinstance(x.payload, Atom) and \
                     x.payload.base == tensor and x.payload.onehot is None and x.payload.idx == idx:
                 continue         # its own atom: renamed with the tensor
+            own = False
             h.update(repr(idx).encode())
             h.update(x.digest if isinstance(x, Term) else repr(x).encode())
+        self._own[tensor] = own
         found = self._classes[tensor] = h.hexdigest()
         return found
+
+    def _atoms_only(self, tensor: str, full: tuple) -> bool:
+        """Is `tensor` of shape `full`, each element its own atom?"""
+        self.klass(tensor)
+        return self._own[tensor] and self.logical.value[tensor].shape == full
+
+    def _scalar(self, tensor: str) -> bool:
+        return self.logical.value[tensor].shape == ()
+
+    def aligned(self, provenance: tuple, claim: Claim) -> bool:
+        """Is the stage elementwise on one region (docs/templates.md, "Aligned stages")? Its claim is not partial
+        and its logical op is elementwise on arguments that are whole 0-d tensors or, like the claimed tensor,
+        of one shape and made of their own atoms; every op since the last cuts is elementwise with the claim's
+        shape or 0-d; every value it read continues from the claim's very region of such a tensor, or from a
+        whole 0-d tensor. Then element i of its formula reads element i of each region and the 0-d values
+        alone, and the same stage at other offsets is this one with every region's atom indices shifted."""
+        node = self.logical.nodes.get(claim.logical)
+        if claim.partial or node is None or node.op not in ELEMENTWISE:
+            return False
+        full = self.logical.value[claim.logical].shape
+        if not self._atoms_only(claim.logical, full) or \
+                not all(self._scalar(a) or self._atoms_only(a, full) for a in node.args):
+            return False
+        stack, seen = [provenance], set()
+        while stack:
+            p = stack.pop()
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if p[0] == "o":
+                sig = p[1]
+                if sig[0] not in ALIGNED_OPS or len(sig) != 4 or sig[2] not in (claim.shape, ()):
+                    return False
+                stack.extend(p[3])
+            elif p[0] != "c" or p[1].partial:
+                return False
+            elif not self._scalar(p[1].logical) and ((p[1].offsets, p[1].shape) != (claim.offsets, claim.shape)
+                                                     or not self._atoms_only(p[1].logical, full)):
+                return False
+        return True
 
     def _shallow(self, tensor: str) -> tuple:
         node = self.logical.nodes.get(tensor)
@@ -162,12 +215,15 @@ class Templates:
         numbers: dict = {}
         rows: list = []
         memo: dict[int, int] = {}
+        # an aligned stage's region is written "=" wherever it lies (`aligned`); 0-d tensors have no offsets
+        region = (claim.offsets, claim.shape) if not width and self.aligned(provenance, claim) else None
 
         def number(thing) -> int:
             return numbers.setdefault(thing, len(numbers))
 
         def claim_row(c: Claim) -> tuple:
-            return (number(c.logical), self.klass(c.logical), c.offsets, c.shape, c.partial)
+            offsets = "=" if (c.offsets, c.shape) == region else c.offsets
+            return (number(c.logical), self.klass(c.logical), offsets, c.shape, c.partial)
 
         def contribution_rows(tensor: str) -> tuple:      # what a contribution to `tensor` is built from
             tags = self.logical.blocks.tags
@@ -199,7 +255,8 @@ class Templates:
         order = self.logical.order
         ranks = tuple(sorted((t for t in numbers if isinstance(t, str)), key=order.__getitem__))
         template = hashlib.sha256(TEMPLATE_VERSION + repr((rows, claim_row(claim), args, width, contributed,
-                                                           tuple(numbers[t] for t in ranks))).encode()).hexdigest()
+                                                           tuple(numbers[t] for t in ranks),
+                                                           region is not None)).encode()).hexdigest()
         self._last = (provenance, claim, template, width)
         return template
 
