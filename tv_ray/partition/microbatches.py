@@ -142,6 +142,12 @@ class Renamed:
         # program -> op of microbatch k -> its counterpart (none when off: every op is evaluated)
         self._counterparts: dict[str, dict[str, str]] = self.shifts.pairs if on and self.shifts else {}
         self._images = {name: frozenset(pairs.values()) for name, pairs in self._counterparts.items()}
+        # program -> op of microbatch k -> (its counterpart, their arguments side by side): what `_renamed` reads
+        self._pairing: dict[str, dict[str, tuple]] = {}
+        for name, pairs in self._counterparts.items():
+            nodes = {n.name: n for n in plan.programs[name].nodes}
+            self._pairing[name] = {op: (base, tuple(zip(nodes[op].args, nodes[base].args)))
+                                   for op, base in pairs.items()}
         self._kept: dict[int, dict] = {}         # rank -> counterpart (or input) -> its value after its op
         self._stage_at: dict[int, dict[str, int]] = {}   # rank -> op of microbatch 0 -> its stage's index
         self.renamed = 0                          # ops taken as their counterparts' renamed
@@ -163,29 +169,28 @@ class Renamed:
 
     def _renamed(self, state, node) -> bool:
         """Take the op as its counterpart's renamed (the module docstring); False: step it."""
-        base = self._counterparts.get(state.name, {}).get(node.name)    # none without moves
-        if base is None or not self._movable(state.rank):
+        paired = self._pairing.get(state.name, {}).get(node.name)     # none without moves
+        if paired is None or not self._movable(state.rank):
             return False
         rank = state.rank
-        kept = self._kept.get(rank, {})
-        counterpart = self._nodes[state.name][base]
-        if (rank, base) in self.opaque or base not in kept:
+        base, args = paired
+        kept = self._kept.get(rank)
+        if kept is None or base not in kept or (rank, base) in self.opaque:
             return False
-        k = None
-        for name, theirs in zip(node.args, counterpart.args):
-            value = state.env[name]
+        env, k = state.env, None
+        for name, theirs in args:
+            value = env[name]
             if isinstance(value, Moved):
                 if value.base is not kept.get(theirs) or k not in (None, value.k):
                     return False
                 k = value.k
             elif name != theirs or not isinstance(value, np.ndarray):
                 return False
-        if k is None or not all(self._fixed(rank, state.env[name], k)
-                                for name, theirs in zip(node.args, counterpart.args) if name == theirs):
+        if k is None or not all(self._fixed(rank, env[name], k) for name, theirs in args if name == theirs):
             return False
         if rank in self.mirrors_of and not self._renamed_throughout(rank, node):
             return False
-        claim = self._claim(rank, node.name)
+        claim = self.claims.get((rank, node.name))       # a movable rank is not mirrored: its own claims
         if claim is not None and node.dtype == "float":
             return self._renamed_cut(state, node, base, claim, k)
         self.sources[rank, node.name] = self._reads(state, node)
@@ -196,38 +201,49 @@ class Renamed:
     def _renamed_cut(self, state, node, base: str, claim, k: int) -> bool:
         """A cut whose claim is the counterpart's moved to block k: the counterpart's stage, renamed."""
         rank = state.rank
-        if claim.partial:
-            return False
-        moved = self.moves.split(claim)
-        mine = self._claim(rank, base)
+        mine = self.claims.get((rank, base))
         at = self._stage_at.get(rank, {}).get(base)
-        if moved is None or moved[0] != k or mine is None or at is None or \
-                place(moved[1]) != place(mine) or self.obligations[at].ranks != (rank,):
+        if claim.partial or mine is None or at is None or self.moves.blocks.tags.get(mine.logical) is None or \
+                not self.moves.first(mine):
             return False
-        where = place(mine)
+        moved = self.moves.blocks.move(mine, k)         # `claim` must be it: inside block k, as `mine` in block 0
+        if place(moved) != place(claim) or self.obligations[at].ranks != (rank,):
+            return False
         reads = self._reads(state, node)
-        cid = StageId.group((rank,), node.name)
+        cid = StageId("r", (rank,), node.name)
         self.sources[rank, node.name] = frozenset({cid})
-        self._append_moved(at, k, cid, (rank,), state, node, claim, reads)
+        self._append_moved(at, k, cid, (rank,), state, node, claim, reads, moved if self.obligations[at].claim is mine
+                           else None)
         self.renamed += 1
         self._copy_mirrors(state)
-        first = self._conts.get(rank, {}).get(where)      # what `_continuation` continues from
+        first = self._conts.get(rank, {}).get(place(mine))      # what `_continuation` continues from
         self._passed(state, node, Moved(first, k) if first is not None else self._continuation(rank, claim))
         return True
 
-    def _append_moved(self, at: int, k: int, cid, members, state, node, claim, reads) -> None:
+    def _append_moved(self, at: int, k: int, cid, members, state, node, claim, reads, moved=None) -> None:
         """The stage of microbatch k that is recorded stage `at` (microbatch 0's) renamed: kept as a microbatch copy
-        (`Shifts`) where that expansion is exactly the stage, else recorded with that stage's key."""
+        (`Shifts`) where that expansion is exactly the stage, else recorded with that stage's key. `moved`: that
+        stage's claim moved to block k, when known."""
         self.moved += 1
         first = self.obligations[at]
-        mine = self._obligation(cid, members, state, node, claim, first.key, reads)
-        copy = self.shifts.shift(first, k)
-        copy.position = mine.position
-        if copy == mine:
+        if self._expands_to(first, k, cid, members, state, node, claim, reads, moved):
             self.shifted[0].append(at)
             self.shifted[1].append(k)
         else:
-            self.obligations.append(mine)
+            self.obligations.append(self._obligation(cid, members, state, node, claim, first.key, reads))
+
+    def _expands_to(self, first, k: int, cid, members, state, node, claim, reads, moved=None) -> bool:
+        """Is `Shifts.shift(first, k)` (its position aside) exactly the stage `_obligation` records here? Field by
+        field, without building either: id, ranks, program, claim, reads (as a set, each once), what the op is
+        (kind, module, phase, what it realises, its microbatch k), no notes — the key is `first`'s either way."""
+        shifts = self.shifts
+        if first.ranks != members or first.program != state.name or first.notes or \
+                self._info_of(node) != (first.op, first.module, first.phase, first.realises, k) or \
+                shifts.rename_id(first.id, k) != cid or \
+                (moved if moved is not None else shifts.blocks.move(first.claim, k)) != claim:
+            return False
+        renamed = [shifts.rename_id(r, k) for r in first.reads]
+        return len(renamed) == len(reads) and reads.issuperset(renamed)
 
 
 def place(claim) -> tuple:

@@ -320,7 +320,9 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
         self.opaque: dict[tuple[int, str], str] = {}
         self._group_sources: frozenset[str] = frozenset()
         self._group_made: dict[int, tuple | None] = {}      # the last collective's result provenance by member
-        self._made: tuple = (None, None, None)              # (rank, op, provenance) of the last `Deferred` value
+        self._made: tuple = (None, None, None)              # (rank, op, provenance) of the last claimed op
+        self._parts_evaluated: set[str] = set()     # templates of group members' parts computed (`_deferred`)
+        self._evaluating: str | None = None
         self._received: frozenset[str] = frozenset()
         self.boundary: dict[str, Claim] = {}
         self._shapes: dict[int, tuple[int, ...]] = {}     # id(node) -> its shape at dims (nodes live in the plan)
@@ -380,24 +382,38 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
                 return hit
             args = [self._real(a) for a in args]
             return self._evaluate(state, node, args)
-        out = self._deferred(state, node, args) or self._evaluate(state, node, args)
+        out = self._deferred(state, node, args)
+        if out is None:
+            out = self._evaluate(state, node, args)
+            if self._evaluating is not None and (rank, node.name) not in self.opaque:
+                self._parts_evaluated.add(self._evaluating)
         if self._movable(rank) and node.get_meta("mb") in (0, None) and (rank, node.name) not in self.opaque:
             self._memo.setdefault(rank, {})[_memo_key(node, args)] = (args, out)
         return out
 
     def _deferred(self, state, node: Node, args) -> Deferred | None:
         """A claimed op whose stage is a template built before is not computed: its stage takes that template's
-        key, and the run continues from the claim."""
+        key, and the run continues from the claim. A group member's part of a partial claim is not computed
+        either where an op of its own template was (`_parts_evaluated`): its group's template is known only once
+        every part arrived, and the part is built then if that template was not (`_record`) — the same op on
+        renamed values, which evaluates as that one did."""
+        self._evaluating = None
         if self.templates is None or node.dtype != "float" or state.rank in self.mirrored or \
                 not all(isinstance(a, np.ndarray) for a in args):
             return None
         claim = self._claim(state.rank, node.name)
-        if claim is None or claim.partial:
+        if claim is None:
             return None
         made = self.templates.op(node, [self.provenance.get((state.rank, a)) for a in node.args], state.ctx)
-        if made is None or not self.templates.built.get(self.templates.descriptor(made, claim)):
+        if made is None:
             return None
-        self._made = (state.rank, node.name, made)
+        self._made = (state.rank, node.name, made)       # its provenance (`_provenance`), computed or not
+        template = self.templates.descriptor(made, claim)
+        if claim.partial and template not in self._parts_evaluated:
+            self._evaluating = template
+            return None
+        if not claim.partial and not self.templates.built.get(template):
+            return None
         return Deferred(node, args, self.dims, state.ctx, self._shape(node))
 
     def _evaluate(self, state, node: Node, args):
@@ -1051,14 +1067,18 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
     def _append(self, cid, members, state, node: Node, claim: Claim, key: str, reads) -> None:
         self.obligations.append(self._obligation(cid, members, state, node, claim, key, reads))
 
-    def _obligation(self, cid, members, state, node: Node, claim: Claim, key: str, reads) -> Obligation:
-        """The stage at `node`, as recorded next."""
+    def _info_of(self, node: Node) -> tuple:
+        """What a stage records of its op: kind, module, phase, the logical op it realises, its microbatch."""
         info = self._info.get(id(node))      # nodes live in the plan
         if info is None:
             meta = dict(node.meta)
             info = self._info[id(node)] = (str(node.op), meta.get("module") or "", meta.get("phase") or "",
                                            meta.get("realises") or "", meta.get("mb"))
-        op, module, phase, realises, mb = info
+        return info
+
+    def _obligation(self, cid, members, state, node: Node, claim: Claim, key: str, reads) -> Obligation:
+        """The stage at `node`, as recorded next."""
+        op, module, phase, realises, mb = self._info_of(node)
         return Obligation(cid, members, state.name, node.name, claim, key, tuple(reads) if len(reads) < 2 else
                           tuple(sorted(reads, key=str)), op, module, phase, realises, mb, len(self.obligations))
 
