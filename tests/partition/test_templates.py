@@ -143,7 +143,7 @@ def test_a_claimed_op_whose_template_was_built_is_not_computed(claimed, monkeypa
         assert sum(deferred.node.name in partial for deferred, _ in made) > 0.2 * len(partial)
     from tv_ray.semantics.symbolic import eval_symbolic
     for deferred, args in made[:50]:
-        want = eval_symbolic(deferred.node, args, deferred.dims, deferred.ctx)
+        want = eval_symbolic(deferred.node, [stages_module.terms_of(a) for a in args], deferred.dims, deferred.ctx)
         assert all(a is b for a, b in zip(terms(deferred).reshape(-1), want.reshape(-1)))
 
 

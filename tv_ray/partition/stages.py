@@ -196,7 +196,7 @@ class Deferred:
     def terms(self) -> np.ndarray:
         if self.real is None:
             try:
-                self.real = eval_symbolic(self.node, self.args, self.dims, self.ctx)
+                self.real = eval_symbolic(self.node, [terms_of(a) for a in self.args], self.dims, self.ctx)
             except TvRayError as err:        # its template's instance was evaluated: the same op on renamed values
                 raise TvRayError(f"{self.node.name}: its stage's template was evaluated, this instance fails: "
                                  f"{err}") from err
@@ -220,7 +220,25 @@ class Contribution:
         return self.real
 
 
-LATER = (Deferred, Contribution)
+class Free:
+    """A group member's part of a partial claim (`SymbolicRun._part`), not built: fresh atoms, or for the group's
+    last member the slice minus the others' parts. The group's sum all-reduce takes the parts for what they are
+    (`SymbolicRun._summed_parts`: the slice's atoms), so it is built only if anything else reads it."""
+
+    __slots__ = ("run", "cid", "claim", "position", "size", "shape", "real", "__weakref__")
+
+    def __init__(self, run: "SymbolicRun", cid: StageId, claim: Claim, position: int, size: int):
+        self.run, self.cid, self.claim, self.position, self.size = run, cid, claim, position, size
+        self.shape, self.real = claim.shape, None
+
+    def terms(self) -> np.ndarray:
+        if self.real is None:
+            self.real = self.run._free_terms(self.cid, self.claim, self.position, self.size)
+            self.run = None
+        return self.real
+
+
+LATER = (Deferred, Contribution, Free)
 
 
 def terms_of(value):
@@ -399,7 +417,7 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
         renamed values, which evaluates as that one did."""
         self._evaluating = None
         if self.templates is None or node.dtype != "float" or state.rank in self.mirrored or \
-                not all(isinstance(a, np.ndarray) for a in args):
+                not all(isinstance(a, (np.ndarray, Free)) for a in args):
             return None
         claim = self._claim(state.rank, node.name)
         if claim is None:
@@ -421,14 +439,14 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
         if mirrored or (state.rank in self.mirrored and not args):
             same = {a.same for a in mirrored}
             # a computed constant is every rank's value: the same function of arbitrary parts, so constant
-            constants = all(isinstance(a, Mirrored) or constant(a) for a in args)
+            constants = all(isinstance(a, Mirrored) or constant(terms_of(a)) for a in args)
             if state.rank not in self.mirrored or not constants or len(same) > 1 or (same == {True} and
                                                                                   len(mirrored) != len(args)):
                 raise Asymmetric(f"{self.plan.describe(state.rank)} {node.name} mixes mirrored and computed values "
                                  f"({', '.join(f'{n}: {_kind(a)}' for n, a in zip(node.args, args))})")
             return Mirrored(self._shape(node), same == {True})
         try:
-            return eval_symbolic(node, args, self.dims, state.ctx)
+            return eval_symbolic(node, [terms_of(a) for a in args], self.dims, state.ctx)
         except TvRayError as err:
             shape = instantiate_shape(node.shape, self.dims)
             self.opaque[state.rank, node.name] = str(err)
@@ -679,7 +697,7 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
         if not (tagged and self.moves.first(claim)) and node.get_meta("mb") != 0:
             return
         for m, v in zip(members, values):
-            if self._movable(m) and isinstance(v, (np.ndarray, Deferred)):
+            if self._movable(m) and isinstance(v, (np.ndarray, Deferred, Free)):
                 self._cuts0.setdefault(m, {})[place(claim)] = (len(self.obligations) - 1, v)
 
     def _claim(self, rank: int, tensor: str) -> Claim | None:
@@ -805,7 +823,7 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
 
     def _provenance(self, state, node: Node, value) -> tuple | None:
         """How a computed value came about, for a template (None: not from continuations and ops alone)."""
-        if not isinstance(value, (np.ndarray, Deferred)) or (state.rank, node.name) in self.opaque:
+        if not isinstance(value, (np.ndarray, Deferred, Free)) or (state.rank, node.name) in self.opaque:
             return None
         if node.op in COLLECTIVES:
             return self._group_made.get(state.rank)
@@ -915,7 +933,7 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
             return None
         if isinstance(value, Contribution):
             return contributed(value.claim, value.width)
-        if not isinstance(value, np.ndarray):
+        if not isinstance(value, (np.ndarray, Free)):
             return None
         if not claim.partial:
             return leaf(claim)
@@ -925,8 +943,9 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
 
     def _part(self, rank: int, members, claim: Claim, cid: StageId):
         """What group member `rank` continues from after a partial claim: its dp block's contribution, for a
-        contribution sum over a group spanning the dp blocks (block 0's terms, the others mirrored); else fresh
-        atoms, or (the last member) the slice minus the others' — microbatch 0's part moved, where there is one."""
+        contribution sum over a group spanning the dp blocks (block 0's terms, the others mirrored); else its free
+        part (`Free`: fresh atoms, or for the last member the slice minus the others', built when read) —
+        microbatch 0's part moved, where there is one."""
         if self._contributes(members, claim):
             if rank in self.mirrored:
                 return Mirrored(claim.shape)
@@ -937,18 +956,22 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
         moved = self._moved_part(rank, claim, cid, position)
         if moved is not None:
             return moved
-        if position < len(members) - 1:
-            out = self._free_part(cid, position, claim.shape)
-        else:
-            free = [self._free_part(cid, p, claim.shape) for p in range(len(members) - 1)]
-            target = self.logical.value_at(claim.logical, claim.slices())
-            out = np.empty(claim.shape, dtype=object)
-            for idx in np.ndindex(claim.shape):
-                out[idx] = target[idx] - sum_([f[idx] for f in free])
+        out = Free(self, cid, claim, position, len(members))
         if self._movable(rank) and self.moves.blocks.tags.get(claim.logical) is not None and \
                 self.moves.first(claim):
             self._parts0.setdefault(rank, {})[place(claim), position] = (cid, out)
         self._free[id(out)] = (weakref.ref(out), claim, members, position)
+        return out
+
+    def _free_terms(self, cid: StageId, claim: Claim, position: int, size: int) -> np.ndarray:
+        """A `Free` part's terms: fresh atoms, or (the last member) the slice minus the other members' atoms."""
+        if position < size - 1:
+            return self._free_part(cid, position, claim.shape)
+        free = [self._free_part(cid, p, claim.shape) for p in range(size - 1)]
+        target = self.logical.value_at(claim.logical, claim.slices())
+        out = np.empty(claim.shape, dtype=object)
+        for idx in np.ndindex(claim.shape):
+            out[idx] = target[idx] - sum_([f[idx] for f in free])
         return out
 
     def _free_part(self, cid: StageId, position: int, shape: tuple[int, ...]) -> np.ndarray:
