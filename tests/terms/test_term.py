@@ -7,6 +7,7 @@ import sys
 from fractions import Fraction
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import tv_ray.terms
@@ -48,11 +49,15 @@ def test_structurally_equal_terms_are_the_same_object():
 @pytest.mark.parametrize("base", ["w", "layers.0.attn.q_proj.weight", ("stage", 3)], ids=str)
 def test_a_tensors_atoms_made_at_once_are_the_atoms_var_makes(base):
     from tv_ray.terms.atom import Atom
-    from tv_ray.terms.term import atom_vars
+    from tv_ray.terms.term import atom_vars, grid_vars
     indices = [(), (0,), (1, 2), (10, 0, 3)]
     made = atom_vars(base, indices)
     assert all(t is var(Atom(base, idx)) for t, idx in zip(made, indices))
     assert [t.payload for t in made] == [Atom(base, idx) for idx in indices]
+    for shape in [(), (3,), (2, 3), (2, 0, 3), (3, 1, 12)]:       # a whole tensor's, in row-major order
+        grid = grid_vars(base, shape)
+        assert len(grid) == int(np.prod(shape))
+        assert all(t is var(Atom(base, idx)) for t, idx in zip(grid, np.ndindex(shape)))
 
 
 def test_max_arguments_keep_their_order_in_the_constructor():

@@ -33,7 +33,7 @@ from tv_ray.partition.symmetry import Blocks
 from tv_ray.semantics.symbolic import INF, NEG_INF, STRUCTURAL, choice, eval_symbolic
 from tv_ray.semantics.table import instantiate_shape
 from tv_ray.terms import Kind, Term, sum_
-from tv_ray.terms.term import atom_vars
+from tv_ray.terms.term import grid_vars
 from tv_ray.terms.atom import Atom
 
 SHAPE_ONLY = frozenset({Op.FULL_LIKE})      # reads only its input's shape
@@ -52,7 +52,7 @@ def atoms(base, shape: tuple[int, ...]) -> np.ndarray:
     """One variable per element of a tensor of `shape`, named `Atom(base, idx)` (base: a logical tensor's name,
     a `Part`, an opaque op's `StageId`)."""
     out = np.empty(shape, dtype=object)
-    out.reshape(-1)[:] = atom_vars(base, np.ndindex(shape))
+    out.reshape(-1)[:] = grid_vars(base, shape)
     return out
 
 

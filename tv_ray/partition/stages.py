@@ -49,6 +49,7 @@ from tv_ray.ir import Node, Op
 from tv_ray.ir.ops import COLLECTIVES
 from tv_ray.partition.claims import Claim
 from tv_ray.partition.keys import content_digests, formula_key
+from tv_ray.partition.lazy import Contribution, Deferred, Free, terms_of
 from tv_ray.partition.logical import LogicalTerms, atoms
 from tv_ray.partition.ids import Part, StageId
 from tv_ray.partition.microbatches import LAZY, Accumulated, Moved, Renamed, Shifts, place
@@ -67,6 +68,7 @@ EXPAND_GROWTH, EXPAND_SLACK = 3, 1000      # stop unfolding past 3x the formula'
 # a stage formula larger than this is not formed (keying, unfolding and solving it would take minutes): its
 # stage is unknown, with the reason. The largest stage of the CI grid plans has ~5,000 nodes.
 MAX_STAGE_NODES = 250_000
+UNCUT_DEFERRED = frozenset({Op.MM, Op.BMM})     # ops no claim cuts that are built only when read (`_deferred`)
 
 
 @dataclass(slots=True)
@@ -183,69 +185,6 @@ class Partition:
         return counts
 
 
-class Deferred:
-    """A claimed op's value not computed, because its stage is a template built before (`SymbolicRun._deferred`):
-    the run continues from the claim, so only a renaming that meets other values (`Moved`, `Accumulated`) or a
-    mirror's own stage may still ask for its terms (`terms`)."""
-
-    __slots__ = ("node", "args", "dims", "ctx", "shape", "real")
-
-    def __init__(self, node: Node, args: list, dims: dict[str, int], ctx, shape: tuple[int, ...]):
-        self.node, self.args, self.dims, self.ctx, self.shape, self.real = node, args, dims, ctx, shape, None
-
-    def terms(self) -> np.ndarray:
-        if self.real is None:
-            try:
-                self.real = eval_symbolic(self.node, [terms_of(a) for a in self.args], self.dims, self.ctx)
-            except TvRayError as err:        # its template's instance was evaluated: the same op on renamed values
-                raise TvRayError(f"{self.node.name}: its stage's template was evaluated, this instance fails: "
-                                 f"{err}") from err
-            self.args = None
-        return self.real
-
-
-class Contribution:
-    """What a dp group member continues from after a contribution sum across the dp blocks: its block's
-    contribution to the slice (`LogicalTerms.contribution_of`). The group's all-reduce takes it for what it is
-    (`SymbolicRun._summed_contributions`: the slice's atoms), so it is built only if anything else reads it."""
-
-    __slots__ = ("logical", "claim", "width", "shape", "real")
-
-    def __init__(self, logical: LogicalTerms, claim: Claim, width: int):
-        self.logical, self.claim, self.width, self.shape, self.real = logical, claim, width, claim.shape, None
-
-    def terms(self) -> np.ndarray:
-        if self.real is None:
-            self.real = self.logical.contribution_of(self.claim.logical, self.claim.slices(), self.width)
-        return self.real
-
-
-class Free:
-    """A group member's part of a partial claim (`SymbolicRun._part`), not built: fresh atoms, or for the group's
-    last member the slice minus the others' parts. The group's sum all-reduce takes the parts for what they are
-    (`SymbolicRun._summed_parts`: the slice's atoms), so it is built only if anything else reads it."""
-
-    __slots__ = ("run", "cid", "claim", "position", "size", "shape", "real", "__weakref__")
-
-    def __init__(self, run: "SymbolicRun", cid: StageId, claim: Claim, position: int, size: int):
-        self.run, self.cid, self.claim, self.position, self.size = run, cid, claim, position, size
-        self.shape, self.real = claim.shape, None
-
-    def terms(self) -> np.ndarray:
-        if self.real is None:
-            self.real = self.run._free_terms(self.cid, self.claim, self.position, self.size)
-            self.run = None
-        return self.real
-
-
-LATER = (Deferred, Contribution, Free)
-
-
-def terms_of(value):
-    """A value's terms where it is built when asked (`Deferred`, `Contribution`); any other value as it is."""
-    return value.terms() if isinstance(value, LATER) else value
-
-
 def fingerprint(value, reads) -> tuple:
     """What a value crossing shards is, comparable across processes: its kind (`Mirrored`, `Moved`, ...), shape,
     the stages it was cut at, and a digest of its terms (variables by name)."""
@@ -339,7 +278,7 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
         self._group_sources: frozenset[str] = frozenset()
         self._group_made: dict[int, tuple | None] = {}      # the last collective's result provenance by member
         self._made: tuple = (None, None, None)              # (rank, op, provenance) of the last claimed op
-        self._parts_evaluated: set[str] = set()     # templates of group members' parts computed (`_deferred`)
+        self._evaluated: set = set()     # what ops were computed of: parts' templates, uncut ops' (`_deferred`)
         self._evaluating: str | None = None
         self._received: frozenset[str] = frozenset()
         self.boundary: dict[str, Claim] = {}
@@ -404,33 +343,38 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
         if out is None:
             out = self._evaluate(state, node, args)
             if self._evaluating is not None and (rank, node.name) not in self.opaque:
-                self._parts_evaluated.add(self._evaluating)
+                self._evaluated.add(self._evaluating)
         if self._movable(rank) and node.get_meta("mb") in (0, None) and (rank, node.name) not in self.opaque:
             self._memo.setdefault(rank, {})[_memo_key(node, args)] = (args, out)
         return out
 
     def _deferred(self, state, node: Node, args) -> Deferred | None:
         """A claimed op whose stage is a template built before is not computed: its stage takes that template's
-        key, and the run continues from the claim. A group member's part of a partial claim is not computed
-        either where an op of its own template was (`_parts_evaluated`): its group's template is known only once
-        every part arrived, and the part is built then if that template was not (`_record`) — the same op on
-        renamed values, which evaluates as that one did."""
+        key, and the run continues from the claim. Nor is, where an op of its own template was computed before
+        (`_evaluated`) — the same op on renamed values, which evaluates as that one did —
+
+        - a group member's part of a partial claim: its group's template is known only once every part
+          arrived, and the part is built then if that template was not (`_record`);
+        - a matrix product no claim cuts (`UNCUT_DEFERRED`): built when an op that reads it is.
+
+        The first instance of each is computed where it stands (an op without a symbolic rule is found there)."""
         self._evaluating = None
         if self.templates is None or node.dtype != "float" or state.rank in self.mirrored or \
-                not all(isinstance(a, (np.ndarray, Free)) for a in args):
+                not all(isinstance(a, (np.ndarray, Free, Deferred)) for a in args):
             return None
         claim = self._claim(state.rank, node.name)
-        if claim is None:
+        if claim is None and node.op not in UNCUT_DEFERRED:
             return None
         made = self.templates.op(node, [self.provenance.get((state.rank, a)) for a in node.args], state.ctx)
         if made is None:
             return None
         self._made = (state.rank, node.name, made)       # its provenance (`_provenance`), computed or not
-        template = self.templates.descriptor(made, claim)
-        if claim.partial and template not in self._parts_evaluated:
-            self._evaluating = template
-            return None
-        if not claim.partial and not self.templates.built.get(template):
+        if claim is None or claim.partial:
+            own = (made[1], tuple(a.shape for a in args)) if claim is None else self.templates.descriptor(made, claim)
+            if own not in self._evaluated:
+                self._evaluating = own
+                return None
+        elif not self.templates.built.get(self.templates.descriptor(made, claim)):
             return None
         return Deferred(node, args, self.dims, state.ctx, self._shape(node))
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import itertools
 import weakref
 from fractions import Fraction
 from typing import Callable, Iterable, TypeVar
@@ -235,15 +236,31 @@ def var(name: "str | Atom") -> Term:
 
 def atom_vars(base, indices: Iterable[tuple[int, ...]]) -> list[Term]:
     """`var(Atom(base, idx))` for each index, the text of `base` formatted once (a tensor's atoms)."""
-    head, none, start = f"{base}[".encode(), (0).to_bytes(4, "big"), hashlib.sha256(_TAGS[Kind.VAR])
-    out = []
-    for idx in indices:
-        p = head + ",".join(map(str, idx)).encode() + b"]"       # `str(Atom(base, idx))`, as `var` hashes it
-        h = start.copy()
-        h.update(len(p).to_bytes(4, "big"))
-        h.update(p)
-        h.update(none)
-        out.append(_intern(Kind.VAR, Atom(base, idx), (), h.digest()))
+    head = f"{base}[".encode()
+    return _atom_vars(base, ((idx, head + ",".join(map(str, idx)).encode() + b"]") for idx in indices))
+
+
+def grid_vars(base, shape: tuple[int, ...]) -> list[Term]:
+    """`atom_vars(base, np.ndindex(shape))`: every element of a tensor of `shape` in row-major order, each index's
+    text made from its row's once."""
+    if not shape:
+        return atom_vars(base, [()])
+    last = [(j, f"{j}]".encode()) for j in range(shape[-1])]
+    rows = ((row, f"{base}[{''.join(f'{i},' for i in row)}".encode())
+            for row in itertools.product(*(range(n) for n in shape[:-1])))
+    return _atom_vars(base, ((row + (j,), head + text) for row, head in rows for j, text in last))
+
+
+_VAR_HASH, _NO_ARGS = hashlib.sha256(bytes([Kind.VAR.value])), (0).to_bytes(4, "big")
+
+
+def _atom_vars(base, texts: Iterable[tuple[tuple[int, ...], bytes]]) -> list[Term]:
+    """`var(Atom(base, idx))` for each (idx, `str(Atom(base, idx))` encoded): the digest `_make` gives it."""
+    out, copy, new = [], _VAR_HASH.copy, tuple.__new__       # an `Atom` from its fields, past its constructor
+    for idx, text in texts:
+        h = copy()
+        h.update(len(text).to_bytes(4, "big") + text + _NO_ARGS)
+        out.append(_intern(Kind.VAR, new(Atom, (base, idx, None)), (), h.digest()))
     return out
 
 
