@@ -235,7 +235,7 @@ class Renamed:
 
     def _expands_to(self, first, k: int, cid, members, state, node, claim, reads, moved=None) -> bool:
         """Is `Shifts.shift(first, k)` (its position aside) exactly the stage `_obligation` records here? Field by
-        field, without building either: id, ranks, program, claim, reads (as a set, each once), what the op is
+        field, without building either: id, ranks, program, claim, reads (the same ones, none twice), what the op is
         (kind, module, phase, what it realises, its microbatch k), no notes — the key is `first`'s either way."""
         shifts = self.shifts
         if first.ranks != members or first.program != state.name or first.notes or \
@@ -244,7 +244,7 @@ class Renamed:
                 (moved if moved is not None else shifts.blocks.move(first.claim, k)) != claim:
             return False
         renamed = [shifts.rename_id(r, k) for r in first.reads]
-        return len(renamed) == len(reads) and reads.issuperset(renamed)
+        return len(renamed) == len(reads) and set(renamed) == reads
 
 
 def place(claim) -> tuple:

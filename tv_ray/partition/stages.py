@@ -279,7 +279,7 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
         self._group_made: dict[int, tuple | None] = {}      # the last collective's result provenance by member
         self._made: tuple = (None, None, None)              # (rank, op, provenance) of the last claimed op
         self._evaluated: set = set()     # what ops were computed of: parts' templates, uncut ops' (`_deferred`)
-        self._evaluating: str | None = None
+        self._evaluating = None          # what the op `_deferred` declined is computed of (added once it is)
         self._received: frozenset[str] = frozenset()
         self.boundary: dict[str, Claim] = {}
         self._shapes: dict[int, tuple[int, ...]] = {}     # id(node) -> its shape at dims (nodes live in the plan)
