@@ -131,6 +131,10 @@ class LogicalTerms:
         return _result_shape(node.op, [self.value[a].shape for a in node.args]) == \
             tuple(instantiate_shape(node.shape, self._dims_of(node.name)))
 
+    def atomic(self, name: str) -> bool:
+        """Is every element of the tensor's value its own atom (no constant kept anywhere)?"""
+        return name in self._atomic
+
     def _define(self, name: str) -> None:
         if name in self._later:
             node = self.nodes[name]

@@ -277,7 +277,7 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
         self.opaque: dict[tuple[int, str], str] = {}
         self._group_sources: frozenset[str] = frozenset()
         self._group_made: dict[int, tuple | None] = {}      # the last collective's result provenance by member
-        self._made: tuple = (None, None, None)              # (rank, op, provenance) of the last claimed op
+        self._made: tuple = (None, None, None)              # (rank, op, provenance) of the last op `_deferred` saw
         self._evaluated: set = set()     # what ops were computed of: parts' templates, uncut ops' (`_deferred`)
         self._evaluating = None          # what the op `_deferred` declined is computed of (added once it is)
         self._received: frozenset[str] = frozenset()

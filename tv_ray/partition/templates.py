@@ -98,7 +98,6 @@ class Templates:
         self.hits = 0
         self._signatures: dict[int, tuple] = {}
         self._classes: dict[str, str] = {}
-        self._own: dict[str, bool] = {}          # tensor -> is every element its own atom (`klass`)
         self._last: tuple = (None, None, "", 0)  # (provenance, claim, template, width) of the last descriptor
 
     def signature(self, node: Node) -> tuple:
@@ -144,23 +143,19 @@ class Templates:
         value = lt.value[tensor]
         h = hashlib.sha256(repr((self._shallow(tensor), value.shape,
                                  None if node is None else [self._shallow(a) for a in node.args])).encode())
-        own = True
         for idx in np.ndindex(value.shape):
             x = value[idx]
             if isinstance(x, Term) and x.kind is Kind.VAR and isinstance(x.payload, Atom) and \
                     x.payload.base == tensor and x.payload.onehot is None and x.payload.idx == idx:
                 continue         # its own atom: renamed with the tensor
-            own = False
             h.update(repr(idx).encode())
             h.update(x.digest if isinstance(x, Term) else repr(x).encode())
-        self._own[tensor] = own
         found = self._classes[tensor] = h.hexdigest()
         return found
 
     def _atoms_only(self, tensor: str, full: tuple) -> bool:
         """Is `tensor` of shape `full`, each element its own atom?"""
-        self.klass(tensor)
-        return self._own[tensor] and self.logical.value[tensor].shape == full
+        return self.logical.atomic(tensor) and self.logical.value[tensor].shape == full
 
     def _scalar(self, tensor: str) -> bool:
         return self.logical.value[tensor].shape == ()
