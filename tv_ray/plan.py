@@ -38,8 +38,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import gzip
+import io
 import json
+import shutil
 import string
+import zlib
 from dataclasses import dataclass, field
 from functools import reduce
 from json.encoder import c_make_encoder, encode_basestring_ascii
@@ -53,6 +57,8 @@ from tv_ray.errors import PlanError
 from tv_ray.ir import Graph
 
 FORMAT = "tv-ray-plan/1"
+GZIP_MAGIC = b"\x1f\x8b"
+GZIP_LEVEL = 6          # llama3-8b dp=16,tp=8,pp=4,mb=32: see README "Benchmarks"
 _FIELDS = ("format", "model", "dims", "mesh", "microbatches", "schedule", "logical", "programs", "ranks",
            "lineage", "interior", "recipe")
 _OPTIONAL = {"microbatches": 1, "schedule": "none", "interior": [], "recipe": None}
@@ -399,11 +405,16 @@ class Plan:
 
     @staticmethod
     def load(path: str | Path) -> "Plan":
-        """Read and validate a plan file. Errors: ``plan.json: not valid JSON at line 3 column 9: …``."""
+        """Read and validate a plan file, plain or gzip-compressed (`save` to a name ending in `.gz`). Errors:
+        ``plan.json: not valid JSON at line 3 column 9: …``."""
         try:
-            text = Path(path).read_text()
+            raw = Path(path).read_bytes()
+            text = (gzip.decompress(raw) if raw[:2] == GZIP_MAGIC else raw).decode()
         except OSError as err:
-            raise PlanError(f"{path}: cannot read: {err.strerror}") from None
+            raise PlanError(f"{path}: cannot read: {err.strerror or err}") from None
+        except (EOFError, zlib.error, UnicodeDecodeError) as err:
+            raise PlanError(f"{path}: not a plan file (neither JSON text nor gzip-compressed JSON): {err}") from None
+        del raw
         with gc_paused():
             try:
                 obj = json.loads(text)
@@ -414,12 +425,16 @@ class Plan:
             return Plan.from_json(obj)
 
     def save(self, path: str | Path) -> None:
-        """Write the plan as JSON with one input, op or lineage entry per line (readable diffs).
+        """Write the plan as JSON with one input, op or lineage entry per line (readable diffs); gzip-compressed
+        when `path` ends in `.gz` (a frontier plan's microbatches and layers repeat: llama3-405b's 143 MiB of
+        JSON compresses to a few MiB). The same plan gives the same bytes either way (no time stamp).
 
         The text is `dumps(plan.to_json())`, written program by program.
         """
-        with gc_paused(), open(path, "w") as out:
-            out.writelines(_pieces(self._json_fields()))
+        with gc_paused(), open(path, "wb") as raw:
+            sink = gzip_writer(raw) if str(path).endswith(".gz") else raw
+            with io.TextIOWrapper(sink, encoding="utf-8", newline="") as out:
+                out.writelines(_pieces(self._json_fields()))
 
     def _json_fields(self) -> dict:
         """`to_json` with the graphs left as Graph objects, for `_pieces` to write one at a time."""
@@ -431,6 +446,24 @@ class Plan:
     def _optional_json(self) -> dict:
         out = {"interior": [e.to_json() for e in self.interior]} if self.interior else {}
         return out | ({"recipe": dict(self.recipe)} if self.recipe is not None else {})
+
+
+def gzip_writer(raw) -> gzip.GzipFile:
+    """A gzip stream into the binary file `raw` with no file name or time stamp in its header: the same plan
+    text, the same bytes (certificates and checkpoints name the plan by its hash)."""
+    return gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=GZIP_LEVEL, filename="", mtime=0)
+
+
+def pack(source: str | Path, target: str | Path) -> None:
+    """Copy the plan file `source` to `target` gzip-compressed (as it is, if it is already)."""
+    with open(source, "rb") as src, open(target, "wb") as raw:
+        if src.read(2) == GZIP_MAGIC:
+            src.seek(0)
+            shutil.copyfileobj(src, raw)
+            return
+        src.seek(0)
+        with gzip_writer(raw) as out:
+            shutil.copyfileobj(src, out)
 
 
 # -- parsing -------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
 """Certificates: a proved run writes one, `tv-ray check` re-validates it, and any tampering fails with a named cause."""
+import gzip
 import json
 import shutil
 
@@ -58,7 +59,7 @@ def test_a_fresh_certificate_checks(cert):
     assert report.resolved == 25 and report.obligations > 1000
     manifest = json.loads((cert / "certificate.json").read_text())
     assert manifest["counts"]["proved"] == manifest["counts"]["obligations"]
-    assert manifest["plan"]["path"] == "plan.json" and manifest["reduction"]["reduced"]["batch"] == 8
+    assert manifest["plan"]["path"] == "plan.json.gz" and manifest["reduction"]["reduced"]["batch"] == 8
 
 
 def test_a_flipped_verdict_changes_the_table_hash(cert):
@@ -166,10 +167,10 @@ def test_a_dropped_instance_is_counted(cert):
 
 
 def test_a_plan_edited_after_verification_fails(cert):
-    plan = json.loads((cert / "plan.json").read_text())
+    plan = json.loads(gzip.decompress((cert / "plan.json.gz").read_bytes()))
     plan["lineage"] = plan["lineage"][::-1]
-    (cert / "plan.json").write_text(json.dumps(plan))
-    with pytest.raises(CertificateError, match="plan.json: sha256 does not match the certificate; the plan was "
+    (cert / "plan.json.gz").write_bytes(gzip.compress(json.dumps(plan).encode()))
+    with pytest.raises(CertificateError, match="plan.json.gz: sha256 does not match the certificate; the plan was "
                                                "changed after verification"):
         check_certificate(cert, sample=1)
 
@@ -190,7 +191,7 @@ def test_a_certificate_of_the_previous_format_is_named_as_such(cert):
     with pytest.raises(CertificateError) as err:
         check_certificate(cert, sample=1)
     assert str(err.value) == (f"{cert / 'certificate.json'}: format 'tv-ray-certificate/3', expected "
-                              f"'tv-ray-certificate/5' (another tv_ray version's keys and stages: verify the plan "
+                              f"'tv-ray-certificate/6' (another tv_ray version's keys and stages: verify the plan "
                               f"again with this one)")
 
 

@@ -2,6 +2,7 @@
 equal to what, and a check that re-proved nothing independently does not pass."""
 from __future__ import annotations
 
+import gzip
 import json
 import shutil
 from dataclasses import replace
@@ -46,8 +47,8 @@ def _lr_times_ten(graph: Graph) -> Graph:
 def test_a_certificate_moved_elsewhere_checks_there(certified, tmp_path):
     out, source = certified
     manifest = json.loads((out / "certificate.json").read_text())
-    assert manifest["plan"]["path"] == "plan.json" and manifest["plan"]["source"] == str(source.resolve())
-    assert (out / "plan.json").read_bytes() == source.read_bytes()
+    assert manifest["plan"]["path"] == "plan.json.gz" and manifest["plan"]["source"] == str(source.resolve())
+    assert gzip.decompress((out / "plan.json.gz").read_bytes()) == source.read_bytes()
     moved = tmp_path / "elsewhere" / "cert"
     shutil.copytree(out, moved)
     shutil.copytree(source.parent, tmp_path / "plans-backup")

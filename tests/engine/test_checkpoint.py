@@ -2,6 +2,7 @@
 a checkpoint that cannot be trusted is refused with what is wrong."""
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import signal
@@ -102,8 +103,9 @@ def _started(plan, out: Path) -> Checkpoint:
 def test_a_checkpoint_whose_plan_was_edited_is_refused(plan, tmp_path):
     out = tmp_path / "out"
     _started(plan, out)
-    path = out / "checkpoint" / "plan.json"
-    path.write_text(path.read_text().replace('"dp": 2', '"dp": 4', 1))
+    path = out / "checkpoint" / "plan.json.gz"
+    text = gzip.decompress(path.read_bytes()).decode()
+    path.write_bytes(gzip.compress(text.replace('"dp": 2', '"dp": 4', 1).encode()))
     with pytest.raises(CheckpointError) as err:
         Checkpoint(out).resume()
     assert str(err.value).startswith(f"{path} was changed after the run started (SHA-256 ")

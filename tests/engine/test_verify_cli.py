@@ -1,4 +1,5 @@
 """`tv-ray verify` end to end: exit 0 with a certificate, 1 with a located report, 2 with a clear error."""
+import gzip
 import json
 from dataclasses import replace
 
@@ -28,8 +29,8 @@ def test_correct_plan_exits_0_with_a_certificate(tiny_dp2_plan, tmp_path, capsys
     out = capsys.readouterr().out
     assert "PROVED" in out and "unique keys by tier" in out
     manifest = json.loads((tmp_path / "out" / "certificate.json").read_text())
-    assert manifest["plan"]["path"] == "plan.json"           # a copy inside OUT: the certificate moves whole
-    assert (tmp_path / "out" / "plan.json").read_bytes() == (tmp_path / "plan.json").read_bytes()
+    assert manifest["plan"]["path"] == "plan.json.gz"        # a copy inside OUT: the certificate moves whole
+    assert gzip.decompress((tmp_path / "out" / "plan.json.gz").read_bytes()) == (tmp_path / "plan.json").read_bytes()
     assert manifest["composition"]["problems"] == []
 
 
@@ -109,8 +110,8 @@ def test_verify_model_builds_its_plan_at_the_given_dims(tmp_path):
     assert main(["verify", "--model", "llama3-tiny", "--parallel", "dp=2", "--dims", "batch=4", "-o",
                  str(tmp_path / "out"), "-q", "--engine", "local"]) == 0
     manifest = json.loads((tmp_path / "out" / "certificate.json").read_text())
-    assert manifest["plan"]["path"] == "plan.json" and manifest["plan"]["mesh"] == {"dp": 2}
-    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    assert manifest["plan"]["path"] == "plan.json.gz" and manifest["plan"]["mesh"] == {"dp": 2}
+    plan = json.loads(gzip.decompress((tmp_path / "out" / "plan.json.gz").read_bytes()))
     assert plan["dims"]["batch"] == 4 and plan["dims"]["seq"] == 16
 
 
@@ -118,7 +119,7 @@ def test_verify_model_untied_reaches_the_plan(tmp_path):
     """gpt2-tiny ties its head to the embedding; `--untied` gives the plan a separate lm_head weight."""
     assert main(["verify", "--model", "gpt2-tiny", "--parallel", "dp=2", "--untied", "-o", str(tmp_path / "out"),
                  "-q", "--engine", "local"]) == 0
-    inputs = {spec.name for spec in Plan.load(tmp_path / "out" / "plan.json").logical.inputs}
+    inputs = {spec.name for spec in Plan.load(tmp_path / "out" / "plan.json.gz").logical.inputs}
     assert {"wte.weight", "lm_head.weight"} <= inputs
 
 

@@ -1,4 +1,5 @@
 """Plan loading, saving and the mesh / lineage helpers."""
+import gzip
 import json
 
 import numpy as np
@@ -21,6 +22,31 @@ def test_save_load_round_trip(name, tmp_path):
     assert again == plan
     assert again.to_json() == plan.to_json()
     assert json.loads(path.read_text()) == plan.to_json()
+
+
+def test_a_plan_saved_as_gz_is_the_same_text_compressed_and_loads_the_same(tmp_path):
+    plan = Plan.from_json(pp_plan())
+    plain, packed = tmp_path / "plan.json", tmp_path / "plan.json.gz"
+    plan.save(plain)
+    plan.save(packed)
+    assert packed.read_bytes()[:2] == b"\x1f\x8b"
+    assert gzip.decompress(packed.read_bytes()) == plain.read_bytes()
+    assert Plan.load(packed) == plan
+    first = packed.read_bytes()
+    plan.save(packed)                   # no time stamp: the same plan, the same bytes (its certificate's hash)
+    assert packed.read_bytes() == first
+    renamed = tmp_path / "plan.json"    # read by content, whatever the name
+    renamed.write_bytes(first)
+    assert Plan.load(renamed) == plan
+
+
+def test_a_broken_gz_plan_is_refused_with_its_path(tmp_path):
+    path = tmp_path / "plan.json.gz"
+    Plan.from_json(tp_plan()).save(path)
+    path.write_bytes(path.read_bytes()[:-40])
+    with pytest.raises(PlanError, match=rf"^{path}: not a plan file \(neither JSON text nor gzip-compressed JSON\): "
+                                        r"Compressed file ended before the end-of-stream marker was reached$"):
+        Plan.load(path)
 
 
 def test_saved_file_has_one_op_per_line(tmp_path):

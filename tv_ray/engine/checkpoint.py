@@ -1,6 +1,6 @@
 """The checkpoint: every verdict as it arrives, streamed to Parquet under OUT, so a killed run resumes.
 
-    OUT/checkpoint/plan.json         the plan itself (`tv-ray verify --resume OUT` needs nothing else)
+    OUT/checkpoint/plan.json.gz      the plan itself (`tv-ray verify --resume OUT` needs nothing else)
     OUT/checkpoint/run.json          its SHA-256 and the settings that decide verdicts
     OUT/checkpoint/part-000001.parquet, ...   (key, verdict, tier, method, seconds, axioms, reason, ...)
     OUT/checkpoint/parts.json        each whole part's SHA-256, rewritten after each part
@@ -32,6 +32,7 @@ from tv_ray.engine.solve import Verdict
 from tv_ray.errors import CheckpointError
 from tv_ray.plan import Plan
 
+PLAN = "plan.json.gz"       # gzip-compressed (`Plan.save`): a frontier plan's JSON is ~100 MiB
 FLUSH_ROWS = 2000
 FLUSH_SECONDS = 2.0
 SCHEMA = pa.schema([("key", pa.string()), ("verdict", pa.string()), ("tier", pa.int8()), ("method", pa.string()),
@@ -57,19 +58,19 @@ class Checkpoint:
             for f in self.dir.iterdir():
                 f.unlink()
         self.dir.mkdir(parents=True, exist_ok=True)
-        plan.save(self.dir / "plan.json")
-        run = {"plan_sha256": sha256_file(self.dir / "plan.json"), "settings": settings}
+        plan.save(self.dir / PLAN)
+        run = {"plan_sha256": sha256_file(self.dir / PLAN), "settings": settings}
         _atomic_write(self.dir / "run.json", json.dumps(run, indent=1, sort_keys=True) + "\n")
 
     def resume(self) -> tuple[Plan, dict]:
         """The checkpoint's plan and settings, its solved keys loaded (`verdicts`)."""
         try:
             run = json.loads((self.dir / "run.json").read_text())
-            digest = sha256_file(self.dir / "plan.json")
+            digest = sha256_file(self.dir / PLAN)
         except (OSError, ValueError) as err:
             raise CheckpointError(f"{self.dir}: no checkpoint to resume ({err})") from None
         if digest != run["plan_sha256"]:
-            raise CheckpointError(f"{self.dir / 'plan.json'} was changed after the run started (SHA-256 "
+            raise CheckpointError(f"{self.dir / PLAN} was changed after the run started (SHA-256 "
                                   f"{digest[:12]}…, recorded {run['plan_sha256'][:12]}…)")
         try:
             self._digests = json.loads((self.dir / "parts.json").read_text())
@@ -92,7 +93,7 @@ class Checkpoint:
             for row in table.to_pylist():
                 self.verdicts[row["key"]] = _verdict(row)
         self._parts = max((int(p.stem.split("-")[1]) for p in self.dir.glob("part-*.parquet")), default=0)
-        return Plan.load(self.dir / "plan.json"), run["settings"]
+        return Plan.load(self.dir / PLAN), run["settings"]
 
     # -- streaming --------------------------------------------------------------------------------
     def add(self, key: str, verdict: Verdict) -> None:

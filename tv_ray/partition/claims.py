@@ -60,9 +60,7 @@ class Claim:
     @staticmethod
     def of(plan: Plan, entry, rank: int, logical: str, shape: tuple[int, ...], **flags) -> "Claim":
         """The claim a lineage entry makes for `rank` on `logical` (of int `shape`)."""
-        bounds = plan.slice_bounds(entry, rank, shape)
-        return Claim(logical, tuple(a for a, _ in bounds), tuple(b - a for a, b in bounds), tuple(entry.partial),
-                     **flags)
+        return Claim(logical, *region(plan, entry, rank, shape), **flags)
 
     def shifted(self, dim: int, by: int) -> "Claim":
         """The same claim `by` elements further along `dim` (`dataclasses.replace`, without its cost: a
@@ -96,6 +94,12 @@ class ConcreteRun:
     logical: dict[str, np.ndarray]
     ranks: list[dict[str, np.ndarray]]
     order: list[tuple[int, str]] = field(default_factory=list)   # (rank, tensor) as produced
+
+
+def region(plan: Plan, entry, rank: int, shape: tuple[int, ...]) -> tuple[tuple, tuple, tuple]:
+    """(offsets, shape, partial) of the slice a lineage entry gives `rank` of a logical tensor of `shape`."""
+    bounds = plan.slice_bounds(entry, rank, shape)
+    return tuple(a for a, _ in bounds), tuple(b - a for a, b in bounds), tuple(entry.partial)
 
 
 def _on(selected: np.ndarray, ranks: np.ndarray | None) -> np.ndarray:
@@ -139,10 +143,20 @@ def interior_claims(plan: Plan, logical_shapes: dict[str, tuple[int, ...]],
                     ranks: np.ndarray | None = None) -> dict[tuple[int, str], Claim]:
     """The claims the plan's intermediate lineage states, keyed by (rank, program tensor) (on `ranks`: all)."""
     out: dict[tuple[int, str], Claim] = {}
+    # a frontier plan's entries repeat a few splits (every layer's and microbatch's): each split's regions once
+    regions: dict[tuple, dict[int, tuple]] = {}
+    selected: dict[tuple, list[int]] = {}
     for entry in plan.interior:
-        for rank in (int(r) for r in np.flatnonzero(_on(plan.selects(entry), ranks))):
-            out[rank, entry.tensor] = Claim.of(plan, entry, rank, entry.logical, logical_shapes[entry.logical],
-                                               given=True)
+        shape = logical_shapes[entry.logical]
+        at = regions.setdefault((entry.slice, entry.partial, shape), {})
+        where = selected.get(entry.where)
+        if where is None:
+            where = selected[entry.where] = [int(r) for r in np.flatnonzero(_on(plan.selects(entry), ranks))]
+        for rank in where:
+            found = at.get(rank)
+            if found is None:
+                found = at[rank] = region(plan, entry, rank, shape)
+            out[rank, entry.tensor] = Claim(entry.logical, *found, given=True)
     return out
 
 
