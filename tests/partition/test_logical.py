@@ -24,8 +24,16 @@ def test_a_definition_left_for_later_is_the_one_built_at_once(model, blocks, mon
     assert len(later._later) > 0.3 * len(graph.nodes)          # the optimizer's and most elementwise ops
     assert now._later == set()
     deferred = sorted(later._later)
+    unmade = dict(later._unmade)
+    assert len(unmade) > 0.2 * len(graph.nodes) and now._unmade == {}
+    for name, shape in unmade.items():      # a slice asked for is made alone: the very atoms of the whole's slice
+        half = tuple(slice(n // 2, n) for n in shape) + (Ellipsis,)
+        got, whole = later.value_at(name, half), now.value_at(name, half)
+        assert name in later._unmade and got.shape == whole.shape
+        assert all(a is b for a, b in zip(got.reshape(-1), whole.reshape(-1))), name
     for name in now.value:
-        assert np.array_equal(later.value[name], now.value[name]), name   # interned terms: equal is identical
+        assert np.array_equal(later.full(name), now.value[name]), name   # interned terms: equal is identical
+    assert later._unmade == {}
     for name in deferred:
         shape = now.definition[name].shape
         got = later.definition_at(name, tuple(slice(0, n) for n in shape) + (Ellipsis,))

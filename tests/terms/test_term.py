@@ -58,6 +58,11 @@ def test_a_tensors_atoms_made_at_once_are_the_atoms_var_makes(base):
         grid = grid_vars(base, shape)
         assert len(grid) == int(np.prod(shape))
         assert all(t is var(Atom(base, idx)) for t, idx in zip(grid, np.ndindex(shape)))
+    for offsets, shape in [((2,), (3,)), ((1, 4), (2, 3)), ((0, 5, 1), (3, 1, 2)), ((7, 0), (0, 2))]:   # a region's
+        grid = grid_vars(base, shape, offsets)
+        assert len(grid) == int(np.prod(shape))
+        assert all(t is var(Atom(base, tuple(o + i for o, i in zip(offsets, idx))))
+                   for t, idx in zip(grid, np.ndindex(shape)))
 
 
 def test_max_arguments_keep_their_order_in_the_constructor():

@@ -19,7 +19,10 @@ A value is its atoms except where the definition is a constant, so an op
 that gives no constant on variables (`NEVER_CONSTANT`, on tensors that are
 their atoms throughout) gets its atoms without its definition being built;
 that is built when a formula asks for it (`_define`). Most of the optimizer's
-tensors are such, and most formulas are never built (stage templates).
+tensors are such, and most formulas are never built (stage templates). Nor
+are such a tensor's atoms made up front: a slice asked for (a claim's
+continuation) is made alone, and the whole tensor only where something reads
+it whole (`full`).
 """
 from __future__ import annotations
 
@@ -48,11 +51,11 @@ DERIVE_DEPTH = 24
 DERIVE_COMPUTE = 4
 
 
-def atoms(base, shape: tuple[int, ...]) -> np.ndarray:
+def atoms(base, shape: tuple[int, ...], offsets: tuple[int, ...] | None = None) -> np.ndarray:
     """One variable per element of a tensor of `shape`, named `Atom(base, idx)` (base: a logical tensor's name,
-    a `Part`, an opaque op's `StageId`)."""
+    a `Part`, an opaque op's `StageId`); `offsets`: those of that region of a larger tensor."""
     out = np.empty(shape, dtype=object)
-    out.reshape(-1)[:] = grid_vars(base, shape)
+    out.reshape(-1)[:] = grid_vars(base, shape, offsets)
     return out
 
 
@@ -71,6 +74,7 @@ class LogicalTerms:
     _varying: set[str] = field(default_factory=set)
     _atomic: set[str] = field(default_factory=set)       # tensors whose every element is its own atom
     _later: set[str] = field(default_factory=set)        # definitions built when asked (`_deferrable`)
+    _unmade: dict[str, tuple[int, ...]] = field(default_factory=dict)   # atoms made when asked: the shape
     _contributions: dict[tuple, np.ndarray] = field(default_factory=dict)
 
     @staticmethod
@@ -98,17 +102,18 @@ class LogicalTerms:
                 varying.add(node.name)
             if lt._gathers(node):        # no samples, from tensors with samples: over the whole batch
                 if node.name in blocks.sums:
-                    lt.contribution[node.name] = eval_symbolic(node, [lt.value[a] for a in node.args], small)
+                    lt.contribution[node.name] = eval_symbolic(node, [lt.full(a) for a in node.args], small)
                 if node.name in blocks.sums and varies:
                     lt.value[node.name] = lt._atoms(node.name, instantiate_shape(node.shape, dims))
                     continue             # its definition is built when asked (`_whole_definition`)
                 d = eval_symbolic(node, [lt.whole(a) for a in node.args], dims)
             elif varies and lt._deferrable(node):
-                lt.value[node.name] = lt._atoms(node.name, instantiate_shape(node.shape, lt._dims_of(node.name)))
+                lt._unmade[node.name] = tuple(instantiate_shape(node.shape, lt._dims_of(node.name)))
+                lt._atomic.add(node.name)
                 lt._later.add(node.name)
                 continue
             else:
-                d = eval_symbolic(node, [lt.value[a] for a in node.args], lt._dims_of(node.name))
+                d = eval_symbolic(node, [lt.full(a) for a in node.args], lt._dims_of(node.name))
                 if node.op in MOVES_ELEMENTS and node.args[0] in lt.contribution:
                     lt.contribution[node.name] = eval_symbolic(node, [lt.contribution[node.args[0]]], dims)
             lt.definition[node.name] = d
@@ -128,17 +133,29 @@ class LogicalTerms:
                 any(isinstance(v, bool) or not isinstance(v, (int, float)) or v == 0
                     for k, v in node.attr.items() if k in SCALARS) or set(node.attr) - set(SCALARS):
             return False
-        return _result_shape(node.op, [self.value[a].shape for a in node.args]) == \
+        return _result_shape(node.op, [self.shape_of(a) for a in node.args]) == \
             tuple(instantiate_shape(node.shape, self._dims_of(node.name)))
 
     def atomic(self, name: str) -> bool:
         """Is every element of the tensor's value its own atom (no constant kept anywhere)?"""
         return name in self._atomic
 
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        """The shape a tensor is built at (one block's, for a tensor with samples)."""
+        unmade = self._unmade.get(name)
+        return unmade if unmade is not None else self.value[name].shape
+
+    def full(self, name: str) -> np.ndarray:
+        """A tensor's whole value as built (its atoms made now, if they were left for later)."""
+        shape = self._unmade.pop(name, None)
+        if shape is not None:
+            self.value[name] = atoms(name, shape)
+        return self.value[name]
+
     def _define(self, name: str) -> None:
         if name in self._later:
             node = self.nodes[name]
-            self.definition[name] = eval_symbolic(node, [self.value[a] for a in node.args], self._dims_of(name))
+            self.definition[name] = eval_symbolic(node, [self.full(a) for a in node.args], self._dims_of(name))
             self._later.discard(name)
 
     def _has_samples(self, name: str) -> bool:
@@ -165,9 +182,14 @@ class LogicalTerms:
             self._define(name)
         if kind == "definition" and name not in self.definition:
             self.definition[name] = self._whole_definition(name)
-        arr = (self.value if kind == "value" else self.definition)[name]
+        unmade = self._unmade.get(name) if kind == "value" else None
+        if unmade is None:
+            take = (self.value if kind == "value" else self.definition)[name].__getitem__
+        else:               # the slice's atoms alone
+            def take(at: tuple) -> np.ndarray:
+                return _region_atoms(name, unmade, at)
         if not self._has_samples(name):
-            return arr[slices]
+            return take(slices)
         tag = self.blocks.tags[name]
         width = self.blocks.size * tag.q
         sl = slices[tag.dim]
@@ -176,11 +198,11 @@ class LogicalTerms:
         for b in range(lo // width, (hi - 1) // width + 1 if hi > lo else lo // width):
             local = list(slices)
             local[tag.dim] = slice(max(lo, b * width) - b * width, min(hi, (b + 1) * width) - b * width)
-            parts.append(self.blocks.rename(arr[tuple(local)], b))
+            parts.append(self.blocks.rename(take(tuple(local)), b))
         if not parts:
             local = list(slices)
             local[tag.dim] = slice(0, 0)
-            return arr[tuple(local)]
+            return take(tuple(local))
         return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=tag.dim)
 
     def contribution_of(self, name: str, slices: tuple, width: int) -> np.ndarray:
@@ -227,7 +249,7 @@ class LogicalTerms:
         """Atom → definition for the atoms of `name` in `present` (all of them for a tensor without samples)."""
         self._define(name)
         if not self._has_samples(name) and name in self.definition:
-            values, definition = self.value[name], self.definition[name]
+            values, definition = self.full(name), self.definition[name]
             return {values[idx]: definition[idx] for idx in np.ndindex(values.shape)}
         return {atom: self.element_definition(name, atom.payload.idx) for atom in present}
 
@@ -273,6 +295,20 @@ class LogicalTerms:
         if not kept:
             self._atomic.add(name)
         return arr
+
+
+def _region_atoms(name: str, shape: tuple[int, ...], slices: tuple) -> np.ndarray:
+    """`atoms(name, shape)[slices]` without the other atoms (basic slices of step 1 and an `Ellipsis`; any other
+    index takes the whole tensor's)."""
+    items = list(slices)
+    if Ellipsis in items:
+        at = items.index(Ellipsis)
+        items[at:at + 1] = [slice(None)] * (len(shape) - len(items) + 1)
+    items += [slice(None)] * (len(shape) - len(items))
+    if len(items) != len(shape) or not all(isinstance(s, slice) and s.step in (None, 1) for s in items):
+        return atoms(name, shape)[slices]
+    bounds = [s.indices(n)[:2] for s, n in zip(items, shape)]
+    return atoms(name, tuple(max(0, b - a) for a, b in bounds), tuple(a for a, _ in bounds))
 
 
 def _result_shape(op: Op, shapes: list[tuple[int, ...]]) -> tuple[int, ...] | None:

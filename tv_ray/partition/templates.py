@@ -140,10 +140,10 @@ class Templates:
             return found
         lt = self.logical
         node = lt.nodes.get(tensor)
-        value = lt.value[tensor]
-        h = hashlib.sha256(repr((self._shallow(tensor), value.shape,
+        h = hashlib.sha256(repr((self._shallow(tensor), lt.shape_of(tensor),
                                  None if node is None else [self._shallow(a) for a in node.args])).encode())
-        for idx in np.ndindex(value.shape):
+        value = None if lt.atomic(tensor) else lt.full(tensor)      # atomic: every element its own atom
+        for idx in np.ndindex(value.shape) if value is not None else ():
             x = value[idx]
             if isinstance(x, Term) and x.kind is Kind.VAR and isinstance(x.payload, Atom) and \
                     x.payload.base == tensor and x.payload.onehot is None and x.payload.idx == idx:
@@ -155,10 +155,10 @@ class Templates:
 
     def _atoms_only(self, tensor: str, full: tuple) -> bool:
         """Is `tensor` of shape `full`, each element its own atom?"""
-        return self.logical.atomic(tensor) and self.logical.value[tensor].shape == full
+        return self.logical.atomic(tensor) and self.logical.shape_of(tensor) == full
 
     def _scalar(self, tensor: str) -> bool:
-        return self.logical.value[tensor].shape == ()
+        return self.logical.shape_of(tensor) == ()
 
     def aligned(self, provenance: tuple, claim: Claim) -> bool:
         """Is the stage elementwise on one region (docs/templates.md, "Aligned stages")? Its claim is not partial
@@ -170,7 +170,7 @@ class Templates:
         node = self.logical.nodes.get(claim.logical)
         if claim.partial or node is None or node.op not in ELEMENTWISE:
             return False
-        full = self.logical.value[claim.logical].shape
+        full = self.logical.shape_of(claim.logical)
         if not self._atoms_only(claim.logical, full) or \
                 not all(self._scalar(a) or self._atoms_only(a, full) for a in node.args):
             return False

@@ -240,14 +240,16 @@ def atom_vars(base, indices: Iterable[tuple[int, ...]]) -> list[Term]:
     return _atom_vars(base, ((idx, head + ",".join(map(str, idx)).encode() + b"]") for idx in indices))
 
 
-def grid_vars(base, shape: tuple[int, ...]) -> list[Term]:
+def grid_vars(base, shape: tuple[int, ...], offsets: tuple[int, ...] | None = None) -> list[Term]:
     """`atom_vars(base, np.ndindex(shape))`: every element of a tensor of `shape` in row-major order, each index's
-    text made from its row's once."""
+    text made from its row's once (`offsets`: the elements of that region of a larger tensor, by their index
+    there)."""
     if not shape:
         return atom_vars(base, [()])
-    last = [(j, f"{j}]".encode()) for j in range(shape[-1])]
+    offsets = offsets or (0,) * len(shape)
+    last = [(j, f"{j}]".encode()) for j in range(offsets[-1], offsets[-1] + shape[-1])]
     rows = ((row, f"{base}[{''.join(f'{i},' for i in row)}".encode())
-            for row in itertools.product(*(range(n) for n in shape[:-1])))
+            for row in itertools.product(*(range(o, o + n) for o, n in zip(offsets[:-1], shape[:-1]))))
     return _atom_vars(base, ((row + (j,), head + text) for row, head in rows for j, text in last))
 
 
