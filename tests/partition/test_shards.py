@@ -96,3 +96,30 @@ def test_a_bug_is_refuted_at_the_same_stages_with_and_without_shards(name, pipel
     assert [o.status for o in outcomes] == ["refuted", "refuted"] and outcomes[1].partition.shards == 2
     assert refuted[0] == refuted[1] and refuted[0]
     assert not mutant.diagnosis_problems(outcomes[1].first_refuted())
+
+
+def test_depths_are_the_topological_generations_and_a_cycle_is_named():
+    import random
+    from types import SimpleNamespace
+
+    import networkx as nx
+
+    from tv_ray.errors import TvRayError
+    from tv_ray.partition.dag import depths
+    rng = random.Random(0)
+    for n in (1, 5, 40, 300):
+        # stage i reads earlier stages and ids that are no stage (a boundary input, a copy); one id twice
+        obs = [SimpleNamespace(id=f"s{i}", reads=frozenset({f"s{j}" for j in rng.sample(range(i), min(i, 3))}
+                                                         | {f"in{i % 4}"})) for i in range(n)]
+        obs.append(SimpleNamespace(id=f"s{n - 1}", reads=frozenset({"s0"} if n > 1 else ())))
+        rng.shuffle(obs)
+        dag = nx.DiGraph()
+        dag.add_nodes_from(ob.id for ob in obs)
+        dag.add_edges_from((r, ob.id) for ob in obs for r in ob.reads if r.startswith("s"))
+        assert depths(obs) == {c: d for d, layer in enumerate(nx.topological_generations(dag)) for c in layer}
+    obs = [SimpleNamespace(id="a", reads=frozenset({"c", "x"})), SimpleNamespace(id="b", reads=frozenset({"a"})),
+           SimpleNamespace(id="c", reads=frozenset({"b"})), SimpleNamespace(id="d", reads=frozenset({"c"}))]
+    with pytest.raises(TvRayError) as err:
+        depths(obs)
+    assert str(err.value).startswith("the stage DAG has a cycle through ") and \
+        set(str(err.value).split("through ")[1].split(", ")) == {"a", "b", "c"}

@@ -38,6 +38,7 @@ from tv_ray.partition.logical import LogicalTerms
 from tv_ray.partition.microbatches import Shifts
 from tv_ray.partition.stages import Obligation, Partition, SymbolicRun
 from tv_ray.partition.symmetry import Blocks, Mirrors, Moves, find_mirrors, microbatch_moves
+from tv_ray.partition.templates import Templates
 from tv_ray.plan import Plan, gc_paused
 from tv_ray.terms import Term, from_table, to_table
 
@@ -120,9 +121,10 @@ class Renamings:
     renamed: bool = True
 
     def run(self, plan: Plan, dims: dict[str, int], logical: LogicalTerms, claims, bar=None,
-            owned: frozenset[int] | None = None) -> SymbolicRun:
+            owned: frozenset[int] | None = None, seen: Templates | None = None) -> SymbolicRun:
+        """`seen`: the templates another run saw (with `templates`), taken up by this one."""
         run = SymbolicRun(plan, dims, logical, claims, self.mirrors, self.moves, bar, owned=owned,
-                          templates=self.templates, virtual=self.virtual, renamed=self.renamed)
+                          templates=seen or self.templates, virtual=self.virtual, renamed=self.renamed)
         run.run()
         return run
 
@@ -138,18 +140,17 @@ def run_shards(plan: Plan, dims: dict[str, int], claims: dict[tuple[int, str], C
 def _run_shards(plan, dims, claims, renamings: Renamings, shards, logical, bar) -> list[ShardRun]:
     if logical is None:
         logical = LogicalTerms.build(plan.logical, dims, renamings.blocks)
+    # one table of templates for the job's shards: a stage one shard built, another takes by renaming (its key's
+    # formula travels in the first one's run; `merge` gathers them)
+    seen = Templates(logical, dims) if renamings.templates else None
     out = []
     for owned in shards:
-        run = renamings.run(plan, dims, logical, claims, bar, owned)
+        run = renamings.run(plan, dims, logical, claims, bar, owned, seen)
         ranks, reps, mbs = run.resolve_copies()
         out.append(ShardRun(run.obligations, run.formulas, ranks, reps, mbs, run.boundary,
                             run.notes + _incomplete(run.pending), run.moved, run.accumulated, run.sent, run.assumed,
-                            run.unformed, _hits(run), run.renamed, run.shifts))
+                            run.unformed, run.templated, run.renamed, run.shifts))
     return out
-
-
-def _hits(run: SymbolicRun) -> int:
-    return run.templates.hits if run.templates is not None else 0
 
 
 def merge(runs: list[ShardRun], mirrors: Mirrors | None = None, symmetry: list[str] | None = None) -> Partition:
@@ -278,7 +279,7 @@ def _run(plan, dims, claims, renamings: Renamings, logical, notes, split, bar, g
     run.notes += _incomplete(run.pending)
     part = _assemble(run.obligations, run.boundary, run.notes, run.formulas, symmetry, copies, found, run.moved,
                      run.accumulated, run.unformed, run.shifts)
-    part.templated, part.renamed = _hits(run), run.renamed
+    part.templated, part.renamed = run.templated, run.renamed
     return part
 
 

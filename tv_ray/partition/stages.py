@@ -240,11 +240,14 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
 
     def __init__(self, plan: Plan, dims: dict[str, int], logical: LogicalTerms,
                  claims: dict[tuple[int, str], Claim], mirrors: Mirrors | None = None, moves: Moves | None = None,
-                 bar: tqdm | None = None, owned: frozenset[int] | None = None, templates: bool = True,
+                 bar: tqdm | None = None, owned: frozenset[int] | None = None, templates: "bool | Templates" = True,
                  virtual: bool = False, renamed: bool = True):
         self.logical, self.claims, self.mirrors, self.moves, self.bar = logical, claims, mirrors, moves, bar
-        # each value's provenance (`tv_ray.partition.templates`): what a stage's descriptor is made of
-        self.templates = Templates(logical, dims) if templates else None
+        # each value's provenance (`tv_ray.partition.templates`): what a stage's descriptor is made of; the
+        # templates seen (another run's, for the pipeline shards of one generation job)
+        self.templates = templates if isinstance(templates, Templates) else \
+            Templates(logical, dims) if templates else None
+        self.templated = 0          # stages keyed by a template seen before, without their terms built
         self.provenance: dict[tuple[int, str], tuple | None] = {}
         self._received_provenance: tuple | None = None
         self.owned = owned          # the ranks this run steps (a pipeline shard); None: every rank
@@ -998,7 +1001,7 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
             template = self.templates.descriptor(made, claim, width)
             key = self.templates.built.get(template)
             if key:                          # a renaming of a stage built before: its key, no terms
-                self.templates.hits += 1
+                self.templated += 1
                 self._append(cid, members, state, node, claim, key, reads)
                 return
         rhs = self.logical.contribution_of(claim.logical, claim.slices(), width) if width else None

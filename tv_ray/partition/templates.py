@@ -95,7 +95,6 @@ class Templates:
     def __init__(self, logical: LogicalTerms, dims: dict[str, int]):
         self.logical, self.dims = logical, dims
         self.built: dict[str, str] = {}
-        self.hits = 0
         self._signatures: dict[int, tuple] = {}
         self._classes: dict[str, str] = {}
         self._last: tuple = (None, None, "", 0)  # (provenance, claim, template, width) of the last descriptor
