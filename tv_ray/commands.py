@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -73,6 +74,17 @@ def seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
     if not (value > 0 and value != float("inf")):
         raise argparse.ArgumentTypeError(f"{text}: a timeout must be a positive number of seconds")
+    return value
+
+
+def processes(text: str) -> int:
+    """--jobs of `tv-ray check`: a positive number of processes (argparse type)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of processes") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: at least one process")
     return value
 
 
@@ -226,7 +238,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         with Interrupts() as interrupts:
             report = check_certificate(args.out, sample=args.sample, solvers=args.solvers, timeout_s=args.timeout,
                                        allow_same_method=args.allow_same_method,
-                                       progress=False if args.quiet else None)
+                                       progress=False if args.quiet else None, workers=args.jobs)
             interrupts.check()
     except CertificateError as err:
         print(f"tv-ray check: FAILED: {_one_line(err)}", file=sys.stderr)
@@ -319,6 +331,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                        help="solvers for re-proving, comma-separated (default: z3,yices)")
     check.add_argument("--timeout", type=seconds, default=10.0, metavar="S",
                        help="per-equation solver timeout in seconds (default: %(default)s)")
+    check.add_argument("--jobs", type=processes, default=os.cpu_count() or 1, metavar="N",
+                       help="processes re-deriving the stages of a plan generated in pipeline shards (default: "
+                            "every core, %(default)s here)")
     check.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     check.add_argument("--allow-same-method", action="store_true",
                        help="accept keys that only their recorded method re-proves (the check is then not "

@@ -102,7 +102,12 @@ def test_shards_on_generates_one_pipeline_stage_per_shard_and_the_checker_follow
     manifest = json.loads((tmp_path / "out" / "certificate.json").read_text())
     assert manifest["stage_dag"]["shards"] == 2 and manifest["settings"]["shards"] is True
     assert manifest["symmetry"]["notes"] == []
-    assert main(["check", str(tmp_path / "out"), "--sample", "5"]) == 0
+    for jobs in ("2", "1"):          # the shards re-derived in two forked processes, then in this one
+        assert main(["check", str(tmp_path / "out"), "--sample", "5", "--jobs", jobs]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["check", str(tmp_path / "out"), "--jobs", "0"])
+    assert "argument --jobs: 0: at least one process" in capsys.readouterr().err
 
 
 def test_verify_model_builds_its_plan_at_the_given_dims(tmp_path):

@@ -197,12 +197,13 @@ def _compare_instances(part, table: Path) -> int:
 
 def check_certificate(out: str | Path, sample: int | None = None, solvers: tuple[str, ...] = ("z3", "yices"),
                       timeout_s: float = 10.0, seed: int = 0, allow_same_method: bool = False,
-                      progress: bool | None = None) -> CheckReport:
+                      progress: bool | None = None, workers: int = 1) -> CheckReport:
     """Re-validate the certificate under `out`; raises CertificateError naming what failed.
 
     A key that only its recorded method re-proves makes the check fail (it is then not independent for that
     key) unless `allow_same_method`. `progress`: bars on stderr for the rows compared and the keys re-proved
-    (default: when stderr is a terminal)."""
+    (default: when stderr is a terminal). `workers`: processes the stages of a plan generated in pipeline
+    shards are re-derived in (the same stages however many)."""
     started = time.perf_counter()
     show = sys.stderr.isatty() if progress is None else progress
     out = Path(out)
@@ -214,7 +215,7 @@ def check_certificate(out: str | Path, sample: int | None = None, solvers: tuple
     recorded = manifest["settings"]
     settings = Settings(recorded.get("seed", 0), recorded.get("symmetry", True), bool(manifest["stage_dag"].get("shards")),
                         recorded.get("templates", False))      # certificates from before templates have none
-    derivation = derive(plan, settings, manifest.get("claims_dropped", []))
+    derivation = derive(plan, settings, manifest.get("claims_dropped", []), workers)
     reduction, part = derivation.reduction, derivation.partition
     if reduction.reduced != manifest["reduction"]["reduced"]:
         raise CertificateError(f"reduced dims {reduction.reduced} differ from the certificate's "

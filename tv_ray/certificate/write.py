@@ -41,8 +41,9 @@ import pyarrow.parquet as pq
 from tv_ray.certificate.outcome import Outcome, Status
 from tv_ray.plan import pack
 
-# /6: the plan inside gzip-compressed (plan.json.gz); /5: stages of microbatches k > 0 in the instantiation map (column microbatch); /4: a stage of microbatch k paired
-# with microbatch 0's takes its key (`tv_ray.partition.microbatches`);
+# /6: the plan inside gzip-compressed (plan.json.gz); /5: stages of microbatches k > 0 in the instantiation map
+# (column microbatch); /4: a stage of microbatch k paired with microbatch 0's takes its key
+# (`tv_ray.partition.microbatches`);
 # /3: recorded stages + the instantiation map; /2: keys in logical order, templates
 FORMAT = "tv-ray-certificate/6"
 MANIFEST = "certificate.json"

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Protocol
 
 from tv_ray.engine.solve import Budget, Verdict, solve
+from tv_ray.partition.generate import in_processes
 from tv_ray.terms import from_table, to_table
 
 
@@ -86,32 +87,14 @@ class LocalExecutor:
         return self.jobs
 
     def map(self, fn: Callable, jobs: list[tuple]) -> Iterator[tuple[int, object]]:
-        """`fn(*job)` for each job in worker processes forked for this call, yielding (job index, result) as each
-        finishes. The workers inherit the jobs as they are forked (`_FORKED`): a job names its index, not its
-        arguments — pickling the plan and the claims to every worker took llama3-70b at 16 layers ~12 s."""
-        global _FORKED
-        _FORKED = (fn, jobs)
-        try:
-            with cf.ProcessPoolExecutor(min(self.jobs, len(jobs)),
-                                        mp_context=multiprocessing.get_context("fork")) as pool:
-                futures = {pool.submit(_forked_job, i): i for i in range(len(jobs))}
-                for f in cf.as_completed(futures):
-                    yield futures[f], f.result()
-        finally:
-            _FORKED = None
+        """`fn(*job)` for each job in `jobs` worker processes (`tv_ray.partition.generate.in_processes`), yielding
+        (job index, result) as each finishes."""
+        return in_processes(self.jobs)(fn, jobs)
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(cancel_futures=True)
             self._pool = None
-
-
-_FORKED: tuple[Callable, list[tuple]] | None = None      # `LocalExecutor.map`'s function and jobs while it runs
-
-
-def _forked_job(i: int):
-    fn, jobs = _FORKED
-    return fn(*jobs[i])
 
 
 ENGINES = ("ray", "local")

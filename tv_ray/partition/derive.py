@@ -28,7 +28,7 @@ import numpy as np
 from tv_ray.errors import ClaimsMissing
 from tv_ray.partition.claims import (Claim, ConcreteRun, group_value, infer_claims, input_claims, interior_claims,
                                     output_claims, runs_for)
-from tv_ray.partition.generate import Generate, ops_of, partition
+from tv_ray.partition.generate import Generate, in_processes, ops_of, partition
 from tv_ray.partition.ids import StageId
 from tv_ray.partition.stages import Partition
 from tv_ray.partition.symmetry import Blocks, Mirrors, find_mirrors, microbatch_moves
@@ -166,12 +166,14 @@ def derive_claims(plan: Plan, settings: Settings = Settings()) -> Derivation:
                       complete=found is None)
 
 
-def derive(plan: Plan, settings: Settings = Settings(), dropped: Iterable[tuple[int, str]] = ()) -> Derivation:
+def derive(plan: Plan, settings: Settings = Settings(), dropped: Iterable[tuple[int, str]] = (),
+           workers: int = 1) -> Derivation:
     """The whole derivation of `plan`, without the claims `dropped` as wrong guesses (what a certificate
-    records): its `partition` holds every obligation with its key and one formula per key."""
+    records): its `partition` holds every obligation with its key and one formula per key. Pipeline shards run
+    in `workers` processes (`in_processes`) when there are more than one."""
     derivation = derive_claims(plan, settings)
     derivation.drop(dropped)
-    derivation.cut()
+    derivation.cut(**({"generate": in_processes(workers), "groups": workers} if workers > 1 else {}))
     return derivation
 
 
