@@ -25,7 +25,9 @@ certificate records the shard count, so its checker re-derives the same stages.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import gc
 import multiprocessing
+import pickle
 import sys
 from dataclasses import dataclass, replace
 from functools import cache
@@ -101,7 +103,9 @@ def in_processes(workers: int) -> Generate:
                                         mp_context=multiprocessing.get_context("fork")) as pool:
                 futures = {pool.submit(_forked_job, i): i for i in range(len(jobs))}
                 for f in cf.as_completed(futures):
-                    yield futures[f], f.result()
+                    with gc_paused():
+                        result = pickle.loads(f.result())
+                    yield futures[f], result
         finally:
             _FORKED = None
     return generate
@@ -110,9 +114,12 @@ def in_processes(workers: int) -> Generate:
 _FORKED: tuple[Callable, list[tuple]] | None = None      # the function and jobs of the `in_processes` call running
 
 
-def _forked_job(i: int):
+def _forked_job(i: int) -> bytes:
+    """Job `i`, its result pickled here with the cyclic collector off (the process holds nothing cyclic worth
+    collecting; with it on, pickling a 70B 16-layer shard's stages took 2.7 s instead of 0.75)."""
+    gc.disable()
     fn, jobs = _FORKED
-    return fn(*jobs[i])
+    return pickle.dumps(fn(*jobs[i]), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def ops_of(plan: Plan, ranks: Iterable[int]) -> int:
