@@ -426,8 +426,8 @@ class Plan:
 
     def save(self, path: str | Path) -> None:
         """Write the plan as JSON with one input, op or lineage entry per line (readable diffs); gzip-compressed
-        when `path` ends in `.gz` (a frontier plan's microbatches and layers repeat: llama3-405b's 143 MiB of
-        JSON compresses to a few MiB). The same plan gives the same bytes either way (no time stamp).
+        when `path` ends in `.gz` (a frontier plan's microbatches and layers repeat: llama3-405b at
+        dp=64,tp=8,pp=16,mb=16 is 214 MiB of JSON, 12.9 MiB compressed). The same plan gives the same bytes either way (no time stamp).
 
         The text is `dumps(plan.to_json())`, written program by program.
         """
@@ -457,12 +457,9 @@ def gzip_writer(raw) -> gzip.GzipFile:
 def pack(source: str | Path, target: str | Path) -> None:
     """Copy the plan file `source` to `target` gzip-compressed (as it is, if it is already)."""
     with open(source, "rb") as src, open(target, "wb") as raw:
-        if src.read(2) == GZIP_MAGIC:
-            src.seek(0)
-            shutil.copyfileobj(src, raw)
-            return
+        packed = src.read(2) == GZIP_MAGIC
         src.seek(0)
-        with gzip_writer(raw) as out:
+        with contextlib.nullcontext(raw) if packed else gzip_writer(raw) as out:
             shutil.copyfileobj(src, out)
 
 

@@ -141,14 +141,15 @@ class Templates:
         node = lt.nodes.get(tensor)
         h = hashlib.sha256(repr((self._shallow(tensor), lt.shape_of(tensor),
                                  None if node is None else [self._shallow(a) for a in node.args])).encode())
-        value = None if lt.atomic(tensor) else lt.full(tensor)      # atomic: every element its own atom
-        for idx in np.ndindex(value.shape) if value is not None else ():
-            x = value[idx]
-            if isinstance(x, Term) and x.kind is Kind.VAR and isinstance(x.payload, Atom) and \
-                    x.payload.base == tensor and x.payload.onehot is None and x.payload.idx == idx:
-                continue         # its own atom: renamed with the tensor
-            h.update(repr(idx).encode())
-            h.update(x.digest if isinstance(x, Term) else repr(x).encode())
+        if not lt.atomic(tensor):           # (an atomic tensor's every element is its own atom)
+            value = lt.full(tensor)
+            for idx in np.ndindex(value.shape):
+                x = value[idx]
+                if isinstance(x, Term) and x.kind is Kind.VAR and isinstance(x.payload, Atom) and \
+                        x.payload.base == tensor and x.payload.onehot is None and x.payload.idx == idx:
+                    continue         # its own atom: renamed with the tensor
+                h.update(repr(idx).encode())
+                h.update(x.digest if isinstance(x, Term) else repr(x).encode())
         found = self._classes[tensor] = h.hexdigest()
         return found
 
