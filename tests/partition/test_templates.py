@@ -147,6 +147,32 @@ def test_a_claimed_op_whose_template_was_built_is_not_computed(claimed, monkeypa
         assert all(a is b for a, b in zip(terms(deferred).reshape(-1), want.reshape(-1)))
 
 
+
+def test_a_continuation_read_by_deferred_ops_alone_is_never_built(claimed, monkeypatch):
+    """What the run continues from after a whole or sliced cut (`Continued`) is built only where an op computes
+    from it; where the next ops are template hits (deferred), never. Built, it is the slice's atoms."""
+    plan, dims, claims = claimed
+    made, built = [], []
+    init, terms = stages_module.Continued.__init__, stages_module.Continued.terms
+
+    def spy_init(self, logical, claim):
+        init(self, logical, claim)
+        made.append((self, logical, claim))
+
+    def spy_terms(self):
+        if self.real is None:
+            built.append(self)
+        return terms(self)
+    monkeypatch.setattr(stages_module.Continued, "__init__", spy_init)
+    monkeypatch.setattr(stages_module.Continued, "terms", spy_terms)
+    part = partition(plan, dims, claims, shards=False)
+    assert len(made) > 0.5 * len(part.obligations)
+    assert 0 < len(built) < 0.5 * len(made)
+    for continued, logical, claim in made[:200]:
+        want = logical.value_at(claim.logical, claim.slices())
+        assert continued.shape == want.shape
+        assert all(a is b for a, b in zip(continued.terms().reshape(-1), want.reshape(-1)))
+
 # -- a layer, a microbatch, a tensor-parallel rank, a ZeRO shard made different: each is its own template ---------
 def _mutated(plan, pick, override: int | None = None):
     """`plan` with every op `pick` selects given `other` ×1.5 (on rank `override` alone, when given)."""

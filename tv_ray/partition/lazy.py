@@ -36,6 +36,23 @@ if TYPE_CHECKING:       # (claims pair microbatches, whose renaming reads a lazy
     from tv_ray.partition.stages import SymbolicRun
 
 
+class Continued:
+    """What the run continues from after a whole or sliced claim (`SymbolicRun._continuation`): the slice's
+    logical atoms (`LogicalTerms.value_at`), built when read — where the next op is deferred too (its template
+    was built), never."""
+
+    __slots__ = ("logical", "claim", "shape", "real")
+
+    def __init__(self, logical: "LogicalTerms", claim: "Claim"):
+        self.logical, self.claim, self.shape, self.real = logical, claim, claim.shape, None
+
+    def terms(self) -> np.ndarray:
+        if self.real is None:
+            self.real = self.logical.value_at(self.claim.logical, self.claim.slices())
+            self.logical = None
+        return self.real
+
+
 class Deferred:
     """An op's value not computed (`SymbolicRun._deferred`): a claimed op's whose stage is a template built before
     (the run continues from the claim, so only a renaming that meets other values, `Moved` or `Accumulated`, or a
@@ -92,12 +109,14 @@ class Free:
         return self.real
 
 
-LATER = (Deferred, Contribution, Free)
+LATER = (Continued, Deferred, Contribution, Free)
+# a value of the rank's own terms, built or not: no mirrored rank's, no renaming of microbatch 0's, no contribution
+COMPUTED = (np.ndarray, Continued, Deferred, Free)
 
 
 def terms_of(value):
-    """A value's terms where it is built when asked (`Deferred`, `Contribution`); any other value as it is."""
+    """A value's terms where it is built when asked (`LATER`); any other value as it is."""
     return value.terms() if isinstance(value, LATER) else value
 
 
-__all__ = ["Deferred", "Contribution", "Free", "LATER", "terms_of"]
+__all__ = ["Continued", "Deferred", "Contribution", "Free", "LATER", "COMPUTED", "terms_of"]

@@ -49,7 +49,7 @@ from tv_ray.ir import Node, Op
 from tv_ray.ir.ops import COLLECTIVES
 from tv_ray.partition.claims import Claim
 from tv_ray.partition.keys import content_digests, formula_key
-from tv_ray.partition.lazy import Contribution, Deferred, Free, terms_of
+from tv_ray.partition.lazy import COMPUTED, Continued, Contribution, Deferred, Free, terms_of
 from tv_ray.partition.logical import LogicalTerms, atoms
 from tv_ray.partition.ids import Part, StageId
 from tv_ray.partition.microbatches import LAZY, Accumulated, Moved, Renamed, Shifts, place
@@ -363,7 +363,7 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
         The first instance of each is computed where it stands (an op without a symbolic rule is found there)."""
         self._evaluating = None
         if self.templates is None or node.dtype != "float" or state.rank in self.mirrored or \
-                not all(isinstance(a, (np.ndarray, Free, Deferred)) for a in args):
+                not all(isinstance(a, COMPUTED) for a in args):
             return None
         claim = self._claim(state.rank, node.name)
         if claim is None and node.op not in UNCUT_DEFERRED:
@@ -591,15 +591,15 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
         return [Moved(r, k) for r in entry[1]]
 
     def _continuation(self, rank: int, claim: Claim):
-        """What the run continues from after a whole or sliced claim: the slice's logical atoms (microbatch
-        0's moved, for a claim of another microbatch on a rank that read microbatch 0's)."""
+        """What the run continues from after a whole or sliced claim: the slice's logical atoms, built when read
+        (`Continued`; microbatch 0's moved, for a claim of another microbatch on a rank that read microbatch 0's)."""
         if not self._movable(rank):
-            return self.logical.value_at(claim.logical, claim.slices())
+            return Continued(self.logical, claim)
         conts = self._conts.setdefault(rank, {})
         moved = self.moves.split(claim)
         if moved is not None and (base := conts.get(place(moved[1]))) is not None:
             return Moved(base, moved[0])
-        value = self.logical.value_at(claim.logical, claim.slices())
+        value = Continued(self.logical, claim)
         if moved is None and self.moves.blocks.tags.get(claim.logical) is not None and self.moves.first(claim):
             conts[place(claim)] = value
         return value
@@ -644,7 +644,7 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
         if not (tagged and self.moves.first(claim)) and node.get_meta("mb") != 0:
             return
         for m, v in zip(members, values):
-            if self._movable(m) and isinstance(v, (np.ndarray, Deferred, Free)):
+            if self._movable(m) and isinstance(v, COMPUTED):
                 self._cuts0.setdefault(m, {})[place(claim)] = (len(self.obligations) - 1, v)
 
     def _claim(self, rank: int, tensor: str) -> Claim | None:
@@ -770,7 +770,7 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
 
     def _provenance(self, state, node: Node, value) -> tuple | None:
         """How a computed value came about, for a template (None: not from continuations and ops alone)."""
-        if not isinstance(value, (np.ndarray, Deferred, Free)) or (state.rank, node.name) in self.opaque:
+        if not isinstance(value, COMPUTED) or (state.rank, node.name) in self.opaque:
             return None
         if node.op in COLLECTIVES:
             return self._group_made.get(state.rank)
@@ -871,7 +871,7 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
 
     def _input_provenance(self, claim: Claim, value) -> tuple | None:
         """A program input continues from its boundary claim's atoms (`_continuation`)."""
-        return leaf(claim) if self.templates is not None and isinstance(value, np.ndarray) else None
+        return leaf(claim) if self.templates is not None and isinstance(value, (np.ndarray, Continued)) else None
 
     def _continued(self, rank: int, members, claim: Claim, cid: StageId, value) -> tuple | None:
         """The provenance of what a rank continues from after a cut: the claim's atoms, a free part of it, or
@@ -880,7 +880,7 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
             return None
         if isinstance(value, Contribution):
             return contributed(value.claim, value.width)
-        if not isinstance(value, (np.ndarray, Free)):
+        if not isinstance(value, COMPUTED):
             return None
         if not claim.partial:
             return leaf(claim)

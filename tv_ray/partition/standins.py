@@ -52,6 +52,7 @@ from tv_ray.ir import Node, Op
 from tv_ray.ir.ops import COLLECTIVES
 from tv_ray.partition.claims import Claim
 from tv_ray.partition.ids import StageId
+from tv_ray.partition.lazy import terms_of
 from tv_ray.partition.logical import SHAPE_ONLY
 from tv_ray.terms import Kind, Term, postorder
 
@@ -213,7 +214,7 @@ class StandIns:
                          [value if kind is CONSTANT else kind[k]],
                          frozenset(self.mirrors.rename_id(c, k) for c in reads))
             own[k] = self._continuation(m, mine)
-        self._kinds[state.rank, node.name] = CONSTANT if constant(out) else own
+        self._kinds[state.rank, node.name] = CONSTANT if constant(terms_of(out)) else own
         return True
 
     def _copy_mirrors(self, state) -> None:
