@@ -1057,22 +1057,30 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
         each — the microbatch copies (`shifted`, on their own ranks), then the mirrored stages. A mirrored rank's
         stage is its representative's at the same op (a whole or sliced claim's found once per representative and
         op; a partial one's the group of the representative's images), which may itself be a microbatch copy."""
-        at, ks = (np.asarray(a, dtype=np.int32) for a in self.shifted)
+        at, ks = (np.frombuffer(a, dtype=np.int32) for a in self.shifted)
         own = np.asarray([self.obligations[i].ranks[0] for i in at.tolist()], dtype=np.int32)
-        ranks, pcs = np.asarray(self.copied[0], dtype=np.int32), np.asarray(self.copied[1], dtype=np.int32)
+        ranks, pcs = (np.frombuffer(a, dtype=np.int32) for a in self.copied)
         reps, mbs = np.empty(len(ranks), dtype=np.int32), np.zeros(len(ranks), dtype=np.int32)
         if len(ranks):      # the stages a mirror may copy: recorded ones and microbatch copies, by id
             index = {ob.id: (i, 0) for i, ob in enumerate(self.obligations)}
             for i, k in zip(at.tolist(), ks.tolist()):
                 index[self.shifts.rename_id(self.obligations[i].id, k)] = (i, k)
-            rep_of = np.full(self.plan.num_ranks, -1, dtype=np.int64)
+            rep_of = np.full(self.plan.num_ranks, -1, dtype=np.int32)
             rep_of[list(self.mirrored)] = list(self.mirrored.values())
-            where = rep_of[ranks] * (int(pcs.max()) + 1) + pcs
-            firsts, first_at, inverse = np.unique(where, return_index=True, return_inverse=True)
-            whole = np.empty((len(firsts), 2), dtype=np.int64)   # the stage per (representative, op); -1: partial
-            for u, i in enumerate(first_at.tolist()):
-                whole[u] = self._resolve(int(ranks[i]), int(pcs[i]), index, alone=True)
-            reps[:], mbs[:] = whole[inverse, 0], whole[inverse, 1]
+            # a representative's cut is copied by its mirrors in one run (`_copy_mirrors`): resolved once per run
+            # of one (representative, op), and once per (representative, op) — without sorting every copy
+            rep = rep_of[ranks]
+            starts = np.flatnonzero(np.concatenate(([True], (rep[1:] != rep[:-1]) | (pcs[1:] != pcs[:-1]))))
+            whole = np.empty((len(starts), 2), dtype=np.int32)   # the stage per run; -1: a partial claim's
+            resolved: dict[tuple[int, int], tuple[int, int]] = {}
+            for u, i in enumerate(starts.tolist()):
+                key = int(rep[i]), int(pcs[i])
+                if key not in resolved:
+                    resolved[key] = self._resolve(int(ranks[i]), key[1], index, alone=True)
+                whole[u] = resolved[key]
+            del rep
+            lengths = np.diff(np.append(starts, len(ranks)))
+            reps[:], mbs[:] = np.repeat(whole[:, 0], lengths), np.repeat(whole[:, 1], lengths)
             for i in np.flatnonzero(reps < 0).tolist():
                 reps[i], mbs[i] = self._resolve(int(ranks[i]), int(pcs[i]), index, alone=False)
         return np.concatenate([own, ranks]), np.concatenate([at, reps]), np.concatenate([ks, mbs])
