@@ -143,6 +143,13 @@ class Asymmetric(TvRayError):
     FIELDS = ("rank", "node")
 
 
+class StageCycle(TvRayError):
+    """The stage DAG has a cycle: stages whose proofs would rest on each other. `members` names some of the
+    stages on it, in order."""
+
+    FIELDS = ("members",)
+
+
 class NoReplay(TvRayError):
     """A solver's model cannot be replayed exactly (it needs exp/log values, an irrational number, or gives an
     application two values): the solver's "sat" stays unknown."""

@@ -98,15 +98,16 @@ def test_a_bug_is_refuted_at_the_same_stages_with_and_without_shards(name, pipel
     assert not mutant.diagnosis_problems(outcomes[1].first_refuted())
 
 
-def test_depths_are_the_topological_generations_and_a_cycle_is_named():
+def test_depths_are_the_topological_generations_the_size_networkx_s_and_a_cycle_is_named():
     import random
     from types import SimpleNamespace
 
     import networkx as nx
 
     from tv_ray.errors import TvRayError
-    from tv_ray.partition.dag import depths
+    from tv_ray.partition.dag import depths, size
     rng = random.Random(0)
+    boundary = [f"in{i}" for i in range(4)]
     for n in (1, 5, 40, 300):
         # stage i reads earlier stages and ids that are no stage (a boundary input, a copy); one id twice
         obs = [SimpleNamespace(id=f"s{i}", reads=frozenset({f"s{j}" for j in rng.sample(range(i), min(i, 3))}
@@ -117,6 +118,11 @@ def test_depths_are_the_topological_generations_and_a_cycle_is_named():
         dag.add_nodes_from(ob.id for ob in obs)
         dag.add_edges_from((r, ob.id) for ob in obs for r in ob.reads if r.startswith("s"))
         assert depths(obs) == {c: d for d, layer in enumerate(nx.topological_generations(dag)) for c in layer}
+        full = nx.DiGraph()          # the stage DAG as a graph: boundary inputs, stages, every read an edge
+        full.add_nodes_from(boundary)
+        full.add_nodes_from(ob.id for ob in obs)
+        full.add_edges_from((r, ob.id) for ob in obs for r in ob.reads)
+        assert size(boundary, obs) == (full.number_of_nodes() - len(boundary), full.number_of_edges())
     obs = [SimpleNamespace(id="a", reads=frozenset({"c", "x"})), SimpleNamespace(id="b", reads=frozenset({"a"})),
            SimpleNamespace(id="c", reads=frozenset({"b"})), SimpleNamespace(id="d", reads=frozenset({"c"}))]
     with pytest.raises(TvRayError) as err:

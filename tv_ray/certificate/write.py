@@ -39,6 +39,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tv_ray.certificate.outcome import Outcome, Status
+from tv_ray.partition.dag import size as dag_size
 from tv_ray.plan import pack
 
 # /6: the plan inside gzip-compressed (plan.json.gz); /5: stages of microbatches k > 0 in the instantiation map
@@ -142,6 +143,7 @@ def write_certificate(outcome: Outcome, out: str | Path, plan_path: str | Path |
     and still checks. `reference`: what the proofs are about (`tv_ray.api.reference`)."""
     if outcome.status is not Status.PROVED:
         raise ValueError(f"only a proved run has a certificate (this one is {outcome.status})")
+    stages, edges = dag_size(outcome.partition.boundary, outcome.partition.obligations)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     inside = out / PLAN
@@ -170,8 +172,7 @@ def write_certificate(outcome: Outcome, out: str | Path, plan_path: str | Path |
         "tiers": outcome.tiers(),
         "symmetry": {"mirrored": part.mirrored, "moved": part.moved, "accumulated": part.accumulated,
                      "templated": part.templated, "stood_in": part.stood_in, "notes": part.symmetry},
-        "stage_dag": {"stages": part.dag.number_of_nodes() - len(part.boundary), "boundary": len(part.boundary),
-                      "edges": part.dag.number_of_edges(), "shards": part.shards},
+        "stage_dag": {"stages": stages, "boundary": len(part.boundary), "edges": edges, "shards": part.shards},
         "composition": {"checked": True, "problems": outcome.problems,
                         "outputs": sorted(name for name, _ in outcome.plan.logical.outputs)},
         "obligations": {"file": TABLE, "sha256": sha256_file(out / TABLE), "rows": len(part.obligations)},

@@ -19,7 +19,6 @@ import time
 from collections import Counter
 from typing import Iterator
 
-import networkx as nx
 from tqdm import tqdm
 
 from tv_ray.certificate.outcome import Outcome, Status, Verdict
@@ -90,7 +89,7 @@ def verify_plan(plan: Plan, *, budget: Budget = Budget(), executor: Executor | N
     try:
         derivation = derive_claims(plan, Settings(seed, symmetry, shards, templates))
     except CommunicationError as err:   # missing or misrouted communication: no output is ever computed
-        empty = Partition([], {}, nx.DiGraph(), [])
+        empty = Partition([], {}, [])
         return Outcome(plan, reduce_plan(plan), empty, [], {}, {}, [str(err)], dict(phases), _name(executor),
                        failure=str(err))
     phases["claims"] += time.perf_counter() - t

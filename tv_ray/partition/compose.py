@@ -21,37 +21,26 @@ certificate's stages.
 """
 from __future__ import annotations
 
-import networkx as nx
-
+from tv_ray.errors import StageCycle
+from tv_ray.partition.dag import generations, reads_of
 from tv_ray.partition.stages import Partition
 from tv_ray.plan import Plan
 
 
-def _resolved(part: Partition) -> nx.DiGraph:
-    """The stage DAG with each read of a copy's claim (a mirrored rank's, a microbatch's kept as microbatch 0's)
-    drawn from the recorded stage it renames (`Partition.representative`)."""
-    if part.mirrors is None and part.shifts is None:
-        return part.dag
-    graph = nx.DiGraph()
-    graph.add_nodes_from(part.boundary)
-    for ob in part.obligations:
-        graph.add_node(ob.id)
-        graph.add_edges_from((part.representative(src), ob.id) for src in ob.reads)
-    return graph
-
-
 def established(part: Partition, proved: set[str]) -> tuple[set[str], list[str]]:
-    """The claims reached from boundary inputs through proved stages only, and the problems (a cycle)."""
-    graph = _resolved(part)
+    """The claims reached from boundary inputs through proved stages only, and the problems (a cycle). The stage
+    DAG is read with each read of a copy's claim (a mirrored rank's, a microbatch's kept as microbatch 0's) drawn
+    from the recorded stage it renames (`Partition.representative`)."""
+    reads = reads_of(part.obligations, part.representative)
     try:
-        order = list(nx.topological_sort(graph))
-    except nx.NetworkXUnfeasible:
-        cycle = " -> ".join(str(u) for u, _ in nx.find_cycle(graph))
-        return set(part.boundary), [f"the stage DAG has a cycle ({cycle}): those stages' proofs rest on each other"]
+        depth = generations(reads)
+    except StageCycle as cycle:
+        return set(part.boundary), [f"the stage DAG has a cycle ({' -> '.join(map(str, cycle.members))}): those "
+                                    f"stages' proofs rest on each other"]
     done = set(part.boundary)
-    for node in order:
-        if node in proved and all(src in done for src in graph.predecessors(node)):
-            done.add(node)
+    for cid in sorted(depth, key=depth.__getitem__):
+        if cid in proved and reads[cid] <= done:
+            done.add(cid)
     return done, []
 
 

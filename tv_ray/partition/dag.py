@@ -5,33 +5,39 @@ are not nodes (they repeat their recorded stage's composition under
 renaming); a recorded stage that reads such a claim has that claim's id as a
 node without a stage (`Partition.representative` names the recorded stage it
 stands for).
+
+The DAG is the stages' reads, walked by hand: a graph library's nodes and
+edges cost about a kilobyte each, and llama3-405b records millions of stages
+(its networkx DiGraph took the run past 20 GiB). networkx names a cycle only.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Hashable, Iterable
 
 import networkx as nx
 
-from tv_ray.errors import TvRayError
+from tv_ray.errors import StageCycle
 
 
-def stage_dag(boundary: Iterable[str], obligations) -> nx.DiGraph:
-    """The DAG of `obligations` (each with `id` and `reads`) over the `boundary` input claims."""
-    dag = nx.DiGraph()
-    dag.add_nodes_from(boundary, kind="boundary")
-    dag.add_nodes_from((ob.id for ob in obligations), kind="obligation")
-    dag.add_edges_from((src, ob.id) for ob in obligations for src in ob.reads)
-    return dag
-
-
-def depths(obligations) -> dict[str, int]:
-    """Each stage's depth in dataflow: its topological generation among the stages (a stage that reads no other
-    stage is 0, any other is one more than the deepest stage it reads), so a stage comes after every stage it
-    reads. Raises naming a cycle. (By hand, not networkx's `topological_generations` on a subgraph view: that
-    took 5 of the 9 s of merging llama3-70b's 16-layer pipeline shards.)"""
+def reads_of(obligations, rename: Callable[[Hashable], Hashable] | None = None) -> dict:
+    """Each stage id -> the claims it reads (each renamed by `rename`, when given)."""
     reads: dict = {}
     for ob in obligations:
-        reads.setdefault(ob.id, set()).update(ob.reads)
+        reads.setdefault(ob.id, set()).update(ob.reads if rename is None else map(rename, ob.reads))
+    return reads
+
+
+def size(boundary: Iterable, obligations) -> tuple[int, int]:
+    """(nodes that are not boundary inputs, edges) of the DAG of `obligations` over `boundary`."""
+    boundary = set(boundary)
+    reads = reads_of(obligations)
+    nodes = set(reads).union(*reads.values()) if reads else set()
+    return len(nodes - boundary), sum(len(srcs) for srcs in reads.values())
+
+
+def generations(reads: dict) -> dict:
+    """Each stage's depth in dataflow (`reads`: stage -> what it reads; a read that is no stage is a source): a
+    stage that reads no other stage is 0, any other one more than the deepest stage it reads. Raises `StageCycle`."""
     waiting = {cid: len(srcs & reads.keys()) for cid, srcs in reads.items()}
     readers: dict = {}
     for cid, srcs in reads.items():
@@ -46,11 +52,19 @@ def depths(obligations) -> dict[str, int]:
             waiting[reader] -= 1
             if waiting[reader] == 0:
                 ready.append(reader)
-    if any(waiting.values()):          # never ready: on a cycle, or read from one
-        inner = stage_dag((), obligations).subgraph(reads)
-        cycle = [u for u, _ in nx.find_cycle(inner)]
-        raise TvRayError(f"the stage DAG has a cycle through {', '.join(map(str, cycle[:3]))}")
+    stuck = [cid for cid, n in waiting.items() if n]       # never ready: on a cycle, or read from one
+    if stuck:
+        inner = nx.DiGraph((src, cid) for cid in stuck for src in reads[cid] & waiting.keys() if waiting[src])
+        members = [u for u, _ in nx.find_cycle(inner)]
+        raise StageCycle(f"the stage DAG has a cycle through {', '.join(map(str, members[:3]))}", members=members)
     return depth
 
 
-__all__ = ["stage_dag", "depths"]
+def depths(obligations) -> dict:
+    """Each stage's topological generation among the stages (`generations`), so a stage comes after every stage
+    it reads. Raises naming a cycle. (By hand, not networkx's `topological_generations` on a subgraph view: that
+    took 5 of the 9 s of merging llama3-70b's 16-layer pipeline shards.)"""
+    return generations(reads_of(obligations))
+
+
+__all__ = ["reads_of", "size", "generations", "depths"]

@@ -39,7 +39,7 @@ from tqdm import tqdm
 from tv_ray.errors import Asymmetric, ClaimsMissing, Unshardable
 from tv_ray.ir.ops import COLLECTIVES
 from tv_ray.partition.claims import Claim
-from tv_ray.partition.dag import depths, stage_dag
+from tv_ray.partition.dag import depths
 from tv_ray.partition.logical import LogicalTerms
 from tv_ray.partition.microbatches import Shifts
 from tv_ray.partition.stages import Obligation, Partition, SymbolicRun
@@ -340,7 +340,7 @@ def _incomplete(pending: dict) -> list[str]:
 
 def _assemble(obligations, boundary, run_notes, formulas, symmetry, copies, found, moved, accumulated,
               unformed, shifts) -> Partition:
-    return Partition(obligations, boundary, stage_dag(boundary, obligations), run_notes, formulas, symmetry,
+    return Partition(obligations, boundary, run_notes, formulas, symmetry,
                      unformed, *copies, found, shifts, moved, accumulated)
 
 

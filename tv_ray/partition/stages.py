@@ -39,7 +39,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterator
 
-import networkx as nx
 import numpy as np
 from tqdm import tqdm
 
@@ -93,7 +92,8 @@ class Obligation:
 
 @dataclass
 class Partition:
-    """All obligations of a plan, its boundary input claims, the stage DAG, and one formula per unique key.
+    """All obligations of a plan, its boundary input claims, and one formula per unique key (the stage DAG is
+    their reads, `tv_ray.partition.dag`).
 
     Only the first formula of each key is kept (`formulas[key] = (lhs, rhs)`): the terms of every other
     obligation with that key are dropped as soon as it is keyed, so memory follows the unique keys, not
@@ -101,7 +101,6 @@ class Partition:
 
     obligations: list[Obligation]
     boundary: dict[str, Claim]
-    dag: nx.DiGraph
     notes: list[str]
     formulas: dict[str, tuple[list[Term], list[Term]]] = field(default_factory=dict)
     symmetry: list[str] = field(default_factory=list)     # why ranks were not mirrored, if any
