@@ -84,6 +84,7 @@ def test_a_stage_of_microbatch_k_is_kept_as_microbatch_0s_and_stands_or_falls_wi
     assert len(copies) > len(part.obligations) and {c.mb for _, c in copies} == {1, 2, 3}
     assert all(c.key == part.obligations[i].key and claims[c.ranks[0], c.tensor] == c.claim for i, c in copies)
     first_of = {c.id: part.obligations[i].id for i, c in copies}
+    assert all(part.representative(cid) == first for cid, first in first_of.items())   # named without expanding
     reader, read = next((o, r) for o in part.obligations for r in o.reads if r in first_of)
     everything = {o.id for o in part.obligations}
     assert composition_problems(plan, part, everything) == []

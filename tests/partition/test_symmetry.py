@@ -96,6 +96,7 @@ def test_mirrored_ranks_give_the_same_stages_as_running_every_rank(dp4):
     plan, dims, claims = dp4
     full, mirrored = partition(plan, dims, claims, symmetry=False), partition(plan, dims, claims)
     assert mirrored.symmetry == [] and mirrored.mirrored > 2000
+    assert mirrored.mirrored == sum(int(r) in mirrored.mirrors.rep for r in mirrored.copy_ranks)
     everyone = list(mirrored.every())
     assert mirrored.size == len(everyone) == len(full.obligations)
     assert sorted((o.id, o.ranks, o.claim, o.reads) for o in full.obligations) == \

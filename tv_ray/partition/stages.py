@@ -128,7 +128,15 @@ class Partition:
     @property
     def mirrored(self) -> int:
         """Stages of mirrored dp ranks (a representative's stage, moved to their blocks)."""
-        return int(np.isin(self.copy_ranks, list(self.mirrors.rep)).sum()) if self.mirrors else 0
+        return int(self._of_mirrors().sum()) if self.mirrors else 0
+
+    def _of_mirrors(self) -> np.ndarray:
+        """Which stages of the instantiation map are on a mirrored rank (by a table of ranks: `np.isin` sorts
+        every copy)."""
+        table = np.zeros(max(self.mirrors.rep, default=0) + 1, dtype=bool)
+        table[list(self.mirrors.rep)] = True
+        ranks = self.copy_ranks
+        return (ranks < len(table)) & table[np.minimum(ranks, len(table) - 1)]
 
     @property
     def size(self) -> int:
@@ -153,9 +161,12 @@ class Partition:
     def microbatch_copies(self) -> Iterator[tuple[int, Obligation]]:
         """(recorded stage, the copy expanded) for each stage of a microbatch k > 0 kept as microbatch 0's renamed
         on its own rank."""
-        own = ~np.isin(self.copy_ranks, list(self.mirrors.rep)) if self.mirrors else np.ones(self.copies, bool)
-        for i in np.flatnonzero(own & (self.copy_mb > 0)).tolist():
+        for i in self._microbatch_copies().tolist():
             yield int(self.copy_of[i]), self.copy(i)
+
+    def _microbatch_copies(self) -> np.ndarray:
+        own = ~self._of_mirrors() if self.mirrors else np.ones(self.copies, bool)
+        return np.flatnonzero(own & (self.copy_mb > 0))
 
     def representative(self, cid: StageId) -> StageId:
         """The recorded stage (or boundary input) a copy's id stands for — a mirrored rank's stage or input its
@@ -167,7 +178,11 @@ class Partition:
         if self.shifts is None:
             return cid
         if self._firsts is None:
-            self._firsts = {copy.id: self.obligations[i].id for i, copy in self.microbatch_copies()}
+            # a microbatch copy's id is its recorded stage's renamed (`Shifts.shift`): named without expanding it
+            self._firsts = {}
+            for i in self._microbatch_copies().tolist():
+                first = self.obligations[int(self.copy_of[i])].id
+                self._firsts[self.shifts.rename_id(first, int(self.copy_mb[i]))] = first
         return self._firsts.get(cid, cid)
 
     def every(self) -> Iterator[Obligation]:
