@@ -7,8 +7,9 @@ node without a stage (`Partition.representative` names the recorded stage it
 stands for).
 
 The DAG is the stages' reads, walked by hand: a graph library's nodes and
-edges cost about a kilobyte each, and llama3-405b records millions of stages
-(its networkx DiGraph took the run past 20 GiB). networkx names a cycle only.
+edges cost about a kilobyte each — llama3-405b at dp=64,tp=8,pp=16,mb=16
+records 526,178 stages, and their networkx DiGraph took the run from 13 to
+past 20 GiB. networkx names a cycle only.
 """
 from __future__ import annotations
 
