@@ -133,10 +133,9 @@ class Partition:
     def _of_mirrors(self) -> np.ndarray:
         """Which stages of the instantiation map are on a mirrored rank (by a table of ranks: `np.isin` sorts
         every copy)."""
-        table = np.zeros(max(self.mirrors.rep, default=0) + 1, dtype=bool)
+        table = np.zeros(max(max(self.mirrors.rep, default=0), int(self.copy_ranks.max(initial=0))) + 1, dtype=bool)
         table[list(self.mirrors.rep)] = True
-        ranks = self.copy_ranks
-        return (ranks < len(table)) & table[np.minimum(ranks, len(table) - 1)]
+        return table[self.copy_ranks]
 
     @property
     def size(self) -> int:
@@ -161,10 +160,11 @@ class Partition:
     def microbatch_copies(self) -> Iterator[tuple[int, Obligation]]:
         """(recorded stage, the copy expanded) for each stage of a microbatch k > 0 kept as microbatch 0's renamed
         on its own rank."""
-        for i in self._microbatch_copies().tolist():
+        for i in self._microbatch_copy_rows().tolist():
             yield int(self.copy_of[i]), self.copy(i)
 
-    def _microbatch_copies(self) -> np.ndarray:
+    def _microbatch_copy_rows(self) -> np.ndarray:
+        """The rows of the instantiation map that `microbatch_copies` expands."""
         own = ~self._of_mirrors() if self.mirrors else np.ones(self.copies, bool)
         return np.flatnonzero(own & (self.copy_mb > 0))
 
@@ -180,7 +180,7 @@ class Partition:
         if self._firsts is None:
             # a microbatch copy's id is its recorded stage's renamed (`Shifts.shift`): named without expanding it
             self._firsts = {}
-            for i in self._microbatch_copies().tolist():
+            for i in self._microbatch_copy_rows().tolist():
                 first = self.obligations[int(self.copy_of[i])].id
                 self._firsts[self.shifts.rename_id(first, int(self.copy_mb[i]))] = first
         return self._firsts.get(cid, cid)
