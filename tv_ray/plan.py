@@ -427,7 +427,8 @@ class Plan:
     def save(self, path: str | Path) -> None:
         """Write the plan as JSON with one input, op or lineage entry per line (readable diffs); gzip-compressed
         when `path` ends in `.gz` (a frontier plan's microbatches and layers repeat: llama3-405b at
-        dp=64,tp=8,pp=16,mb=16 is 214 MiB of JSON, 12.9 MiB compressed). The same plan gives the same bytes either way (no time stamp).
+        dp=64,tp=8,pp=16,mb=16 is 214 MiB of JSON, 12.9 MiB compressed). The same plan gives the same bytes
+        either way (no time stamp).
 
         The text is `dumps(plan.to_json())`, written program by program.
         """

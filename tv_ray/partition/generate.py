@@ -340,8 +340,8 @@ def _incomplete(pending: dict) -> list[str]:
 
 def _assemble(obligations, boundary, run_notes, formulas, symmetry, copies, found, moved, accumulated,
               unformed, shifts) -> Partition:
-    return Partition(obligations, boundary, run_notes, formulas, symmetry,
-                     unformed, *copies, found, shifts, moved, accumulated)
+    return Partition(obligations, boundary, run_notes, formulas, symmetry, unformed, *copies, found, shifts, moved,
+                     accumulated)
 
 
 __all__ = ["partition", "pipeline_shards", "run_shards", "merge", "ops_of", "in_processes", "ShardRun", "Renamings",

@@ -48,7 +48,7 @@ import numpy as np
 
 from tv_ray.ir import Graph
 from tv_ray.partition.ids import StageId
-from tv_ray.partition.lazy import COMPUTED
+from tv_ray.partition.lazy import Continued, Deferred
 
 SIGNATURE = ("op", "attrs", "shape", "dtype")
 
@@ -185,7 +185,7 @@ class Renamed:
                 if value.base is not kept.get(theirs) or k not in (None, value.k):
                     return False
                 k = value.k
-            elif name != theirs or not isinstance(value, COMPUTED):
+            elif name != theirs or not isinstance(value, (np.ndarray, Continued, Deferred)):
                 return False
         if k is None or not all(self._fixed(rank, env[name], k) for name, theirs in args if name == theirs):
             return False

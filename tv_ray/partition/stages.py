@@ -1081,8 +1081,8 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
                 index[self.shifts.rename_id(self.obligations[i].id, k)] = (i, k)
             rep_of = np.full(self.plan.num_ranks, -1, dtype=np.int32)
             rep_of[list(self.mirrored)] = list(self.mirrored.values())
-            # a representative's cut is copied by its mirrors in one run (`_copy_mirrors`): resolved once per run
-            # of one (representative, op), and once per (representative, op) — without sorting every copy
+            # a representative's cut is copied by its mirrors in one run (`_copy_mirrors`): each run is resolved
+            # by its first copy, each (representative, op) once — without sorting every copy
             rep = rep_of[ranks]
             starts = np.flatnonzero(np.concatenate(([True], (rep[1:] != rep[:-1]) | (pcs[1:] != pcs[:-1]))))
             whole = np.empty((len(starts), 2), dtype=np.int32)   # the stage per run; -1: a partial claim's
