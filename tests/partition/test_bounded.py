@@ -1,8 +1,10 @@
 """A stage whose formula is too large to form ends unknown within seconds, naming the stage, its ranks and why —
 never a run that does not end, never a proof."""
+import functools
 import re
 import time
 
+from tv_ray import api
 from tv_ray.certificate.outcome import Status
 from tv_ray.diagnose import diagnose
 from tv_ray.engine.driver import verify_plan
@@ -25,3 +27,19 @@ def test_a_stage_past_the_size_limit_is_unknown_with_its_reason(tiny_dp2_plan, m
     assert re.fullmatch(rf"stage {re.escape(first['stage'])} on rank \d+ \(.*\): its formula has [\d,]+ nodes \(more "
                         r"than 100\): the ops since the last cut are too many to prove at once — no claim cuts them "
                         r"\(a value no lineage can state, such as a scaled partial sum, runs through\)", first["reason"])
+
+
+def test_a_stage_summing_every_part_of_a_partial_claim_is_formed_past_the_limit(step, monkeypatch):
+    """dp=8,tp=2: the embedding gradient is a (dp, tp) partial; the stage after its dp all-reduce sums all 16
+    parts of every element (609 nodes; every other stage has at most 334). Past the limit its like terms are
+    collected: the last part is the gradient minus the others, so the sum is the gradient's own atoms."""
+    plan = api.parallelize(step, "dp=8,tp=2,pp=2,mb=1", model="llama3-tiny")
+    monkeypatch.setattr(stages, "MAX_STAGE_NODES", 400)
+    run = functools.partial(verify_plan, plan, budget=Budget(solvers=("z3",)), executor=LocalExecutor(),
+                            progress=False)
+    assert run().status is Status.PROVED
+    monkeypatch.setattr(stages, "collect", lambda term, memo: term)
+    outcome = run()
+    assert outcome.status is Status.UNKNOWN
+    unformed = {o.id for o in outcome.partition.obligations if o.key in outcome.partition.unformed}
+    assert {str(s) for s in unformed} == {"g0,1/embedding_dense_backward~41"}

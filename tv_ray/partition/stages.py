@@ -59,6 +59,7 @@ from tv_ray.plan import Plan
 from tv_ray.semantics.symbolic import as_dtype, eval_symbolic, group_rule
 from tv_ray.semantics.table import instantiate_shape
 from tv_ray.terms import Kind, Term, postorder, substitute, sum_
+from tv_ray.terms.linear import collect
 
 BAR_STEP = 4096              # ops stepped between progress bar updates
 REPLAY_DEPTH = 4             # ops a pipeline shard re-runs to rebuild a value another shard sends uncut
@@ -1032,6 +1033,12 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
         else:
             rhs = [rhs[idx] for idx in np.ndindex(claim.shape)]
         nodes = _size(lhs + rhs)
+        if nodes > MAX_STAGE_NODES:
+            # like terms collected: a sum of every part of a partial claim (a dp all-reduce, then a tp
+            # sum) is the claimed tensor, since its last part is the tensor minus the others
+            memo = {}
+            lhs, rhs = [collect(t, memo) for t in lhs], [collect(t, memo) for t in rhs]
+            nodes = _size(lhs + rhs)
         if nodes > MAX_STAGE_NODES:
             why = (f"stage {cid} on {self.plan.describe(members[0])}: its formula has {nodes:,} nodes (more than "
                    f"{MAX_STAGE_NODES:,}): the ops since the last cut are too many to prove at once — no claim "
