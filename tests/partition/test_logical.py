@@ -56,3 +56,47 @@ def test_an_op_that_may_give_a_constant_is_built_at_once():
     assert all(v.kind is Kind.CONST for v in lt.value["zero"])         # the zeros stay visible downstream
     assert "sum" not in lt._later                                       # it reads a tensor of constants
     assert logical_module.NEVER_CONSTANT >= {Op.MUL, Op.ADD} and Op.POW not in logical_module.NEVER_CONSTANT
+
+
+def test_a_view_of_atoms_is_left_for_later_and_its_definition_must_fit_its_atoms():
+    """A view or copy of a tensor that is its atoms throughout gives atoms (each element one of its input's):
+    left for later like a product. Its definition, built when asked, has its atoms' shape (the recorded one): a
+    recorded shape that does not fit the op is named then."""
+    from tv_ray.errors import SymbolicError
+    from tv_ray.ir import Expr, Graph, Node, Op, TensorSpec
+    x = TensorSpec("x", (Expr.of(2), Expr.of(3)), "float")
+    nodes = [Node.make("xt", Op.TRANSPOSE, ("x",), {"dim0": 0, "dim1": 1}, (3, 2)),
+             Node.make("copy", Op.CLONE, ("xt",), {}, (3, 2)),
+             Node.make("wrong", Op.TRANSPOSE, ("x",), {"dim0": 0, "dim1": 1}, (2, 3))]
+    graph = Graph(inputs=(x,), nodes=tuple(nodes), outputs=(("out", "copy"), ("bad", "wrong")))
+    lt = LogicalTerms.build(graph, {})
+    assert lt._later == {"xt", "copy", "wrong"} and set(lt._unmade) == {"xt", "copy", "wrong"}
+    assert lt.definition_at("copy", (slice(0, 3), slice(0, 2))).shape == (3, 2)
+    with pytest.raises(SymbolicError, match=r"^node wrong = transpose\(\.\.\.\): symbolic result has shape \(3, 2\), "
+                                            r"the node states \(2, 3\)$"):
+        lt.definition_at("wrong", (slice(0, 2), slice(0, 3)))
+
+
+@pytest.mark.parametrize("model", ["llama3-tiny", "gpt2-tiny"])
+def test_every_blocks_contribution_summed_is_the_whole_definition(model):
+    """A contribution sum's block-0 part, built when asked, renamed to every block and summed, is the tensor's
+    definition over the whole batch (the same interned terms); a view of one moves those elements."""
+    graph = api.capture_step(model, optim="adamw", clip=1.0)
+    plan = api.parallelize(graph, "dp=2", model=model)
+    dims = reduce_plan(plan).reduced
+    lt = LogicalTerms.build(graph, dims, Blocks.of(graph, dims, 2))
+    assert lt.contributions and not lt._parts
+
+    def summed(name):
+        return lt.contribution_of(name, tuple(slice(0, n) for n in lt.shape_of(name)) + (Ellipsis,), lt.blocks.count)
+
+    views = 0
+    for name in sorted(lt.contributions):
+        node = lt.nodes[name]
+        if node.args[0] in lt.contributions:            # a view or copy of one
+            assert set(summed(name).reshape(-1)) <= set(summed(node.args[0]).reshape(-1)), name
+            views += 1
+        else:
+            whole = lt.definition_at(name, tuple(slice(0, n) for n in lt.shape_of(name)) + (Ellipsis,))
+            assert all(a is b for a, b in zip(summed(name).reshape(-1), whole.reshape(-1))), name
+    assert views and set(lt._parts) == lt.contributions

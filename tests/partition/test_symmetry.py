@@ -106,7 +106,7 @@ def test_mirrored_ranks_give_the_same_stages_as_running_every_rank(dp4):
     # only the weight gradients summed over dp differ: each rank's part (and its transposes) is proved as its
     # block's contribution and continues from it, not from a free split of the sum; their all-reduce is the
     # slice's atoms both ways (every block's contribution, or the free parts, summed)
-    contribution = LogicalTerms.build(plan.logical, dims, mirrored.mirrors.blocks).contribution
+    contribution = LogicalTerms.build(plan.logical, dims, mirrored.mirrors.blocks).contributions
     assert all(claim.logical in contribution and claim.partial == ("dp",) for op, claim in differ)
     assert Counter(op for op, _ in differ) == {"transpose": 30, "mm": 15, "sum": 5, "view": 5,
                                                "embedding_dense_backward": 1, "nll_loss_total_weight": 1}
@@ -130,7 +130,7 @@ def test_mirrored_ranks_compute_nothing_past_their_weight_gradients(dp4):
     run.run()
     assert sorted(found.rep) == [1, 2, 3] and computed == {"full_like": 3}    # each one's ones_like (shape only)
     # the all-reduce of every block's contribution is the gradient's own atoms, not a sum of dp renamings
-    reduced = [ob for ob in run.obligations if ob.op == "all_reduce" and ob.claim.logical in logical.contribution]
+    reduced = [ob for ob in run.obligations if ob.op == "all_reduce" and ob.claim.logical in logical.contributions]
     assert len(reduced) == 22
     for lhs, rhs in (run.formulas[ob.key] for ob in reduced):     # (one formula per key: any layer's)
         assert lhs == rhs and all(t.kind in (Kind.VAR, Kind.CONST) for t in lhs)

@@ -13,7 +13,8 @@ gradient, the loss) is built over the whole batch — its definition only when
 asked, for a contribution sum, whose block-0 part is `contribution`. A view
 or copy of a contribution sum (a weight gradient transposed) moves each
 element of the sum, so it is the sum over blocks of the view of each block's
-part: it has a `contribution` too.
+part: it has a `contribution` too. Block-0 parts are built when a formula
+asks for one (llama3-405b at 16 layers: 18 of 407 ever are).
 
 A value is its atoms except where the definition is a constant, so an op
 that gives no constant on variables (`NEVER_CONSTANT`, on tensors that are
@@ -70,12 +71,13 @@ class LogicalTerms:
     order: dict[str, int] = field(default_factory=dict)
     nodes: dict[str, Node] = field(default_factory=dict)
     blocks: Blocks | None = None
-    contribution: dict[str, np.ndarray] = field(default_factory=dict)   # block 0's part of a contribution sum
+    contributions: set[str] = field(default_factory=set)    # the contribution sums (a `contribution` each)
+    _parts: dict[str, np.ndarray] = field(default_factory=dict)         # block-0 parts built so far
     _varying: set[str] = field(default_factory=set)
     _atomic: set[str] = field(default_factory=set)       # tensors whose every element is its own atom
     _later: set[str] = field(default_factory=set)        # definitions built when asked (`_deferrable`)
     _unmade: dict[str, tuple[int, ...]] = field(default_factory=dict)   # atoms made when asked: the shape
-    _contributions: dict[tuple, np.ndarray] = field(default_factory=dict)
+    _summed: dict[tuple, np.ndarray] = field(default_factory=dict)    # blocks [0, width)'s, by slice
 
     @staticmethod
     def build(graph: Graph, dims: dict[str, int], blocks: Blocks | None = None) -> "LogicalTerms":
@@ -100,9 +102,11 @@ class LogicalTerms:
             varies = node.dtype == "float" and node.op not in SHAPE_ONLY and any(a in varying for a in node.args)
             if varies:
                 varying.add(node.name)
-            if lt._gathers(node):        # no samples, from tensors with samples: over the whole batch
-                if node.name in blocks.sums:
-                    lt.contribution[node.name] = eval_symbolic(node, [lt.full(a) for a in node.args], small)
+            gathers = lt._gathers(node)  # no samples, from tensors with samples: over the whole batch
+            if node.name in blocks.sums if gathers else \
+                    node.op in MOVES_ELEMENTS and node.args[0] in lt.contributions:
+                lt.contributions.add(node.name)
+            if gathers:
                 if node.name in blocks.sums and varies:
                     lt.value[node.name] = lt._atoms(node.name, instantiate_shape(node.shape, dims))
                     continue             # its definition is built when asked (`_whole_definition`)
@@ -114,8 +118,6 @@ class LogicalTerms:
                 continue
             else:
                 d = eval_symbolic(node, [lt.full(a) for a in node.args], lt._dims_of(node.name))
-                if node.op in MOVES_ELEMENTS and node.args[0] in lt.contribution:
-                    lt.contribution[node.name] = eval_symbolic(node, [lt.contribution[node.args[0]]], dims)
             lt.definition[node.name] = d
             lt.value[node.name] = lt._atoms(node.name, d.shape, d) if varies else d
         return lt
@@ -125,11 +127,16 @@ class LogicalTerms:
         return self.blocks.small if self._has_samples(name) else self.dims
 
     def _deferrable(self, node: Node) -> bool:
-        """Is the definition of `node` no constant anywhere, so its value is its atoms without building it? An
-        op of `NEVER_CONSTANT` on tensors that are their atoms throughout, with nonzero scalars, and no samples
-        gathered: built when asked (`_define`). (Were it wrong, atoms for a constant would only weaken what
-        follows: a proof for every value of an atom holds for the constant.)"""
-        if node.op not in NEVER_CONSTANT or not all(a in self._atomic for a in node.args) or \
+        """Is the definition of `node` no constant anywhere, so its value is its atoms without building it? On
+        tensors that are their atoms throughout, no samples gathered: an op that moves elements (a view, a
+        copy: each element is an atom), or an op of `NEVER_CONSTANT` with nonzero scalars. Built when asked
+        (`_define`). (Were it wrong, atoms for a constant would only weaken what follows: a proof for every
+        value of an atom holds for the constant.)"""
+        if not node.args or not all(a in self._atomic for a in node.args):
+            return False
+        if node.op in MOVES_ELEMENTS:
+            return True
+        if node.op not in NEVER_CONSTANT or \
                 any(isinstance(v, bool) or not isinstance(v, (int, float)) or v == 0
                     for k, v in node.attr.items() if k in SCALARS) or set(node.attr) - set(SCALARS):
             return False
@@ -209,9 +216,9 @@ class LogicalTerms:
         """The part of a contribution sum that blocks [0, width) make: block 0's, plus its renamings (built once
         per slice: a group's parts and its stage read the same)."""
         at = (name, tuple((s.start, s.stop, s.step) if isinstance(s, slice) else s for s in slices), width)
-        found = self._contributions.get(at)
+        found = self._summed.get(at)
         if found is None:
-            found = self._contributions[at] = self._contribution_of(name, slices, width)
+            found = self._summed[at] = self._contribution_of(name, slices, width)
         return found
 
     def contribution_sources(self, name: str) -> list[str]:
@@ -219,13 +226,27 @@ class LogicalTerms:
         gathering op, then that op's arguments (their block-0 values)."""
         chain = [name]
         node = self.nodes[name]
-        while node.args[0] in self.contribution and not self._gathers(node):     # a view of a contribution sum
+        while node.args[0] in self.contributions and not self._gathers(node):    # a view of a contribution sum
             chain.append(node.args[0])
             node = self.nodes[node.args[0]]
         return chain + list(node.args)
 
+    def contribution(self, name: str) -> np.ndarray:
+        """Block 0's part of a contribution sum, built when first asked (most are never: a stage keyed by its
+        template builds no formula): the gathering op on its arguments' block-0 values, or a view of a
+        contribution sum applied to that sum's part."""
+        found = self._parts.get(name)
+        if found is None:
+            node = self.nodes[name]
+            if self._gathers(node):
+                found = eval_symbolic(node, [self.full(a) for a in node.args], self.blocks.small)
+            else:
+                found = eval_symbolic(node, [self.contribution(node.args[0])], self.dims)
+            self._parts[name] = found
+        return found
+
     def _contribution_of(self, name: str, slices: tuple, width: int) -> np.ndarray:
-        part = self.contribution[name][slices]
+        part = self.contribution(name)[slices]
         out = np.empty(part.shape, dtype=object)
         renamed = [part] + [self.blocks.rename(part, b) for b in range(1, width)]
         for idx in np.ndindex(part.shape):

@@ -478,7 +478,7 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
     def _contributes(self, members, claim: Claim) -> bool:
         """Is the claim a contribution sum over a group spanning the dp blocks? Then each member's part is its
         block's contribution: block 0's stage proves it, renaming gives the others'."""
-        return claim.logical in self.logical.contribution and self._spans_blocks(members)
+        return claim.logical in self.logical.contributions and self._spans_blocks(members)
 
     def _spans_blocks(self, members) -> bool:
         """Does the group hold one rank of each dp block: block 0's, run in full, and its mirrors?"""
@@ -565,7 +565,7 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
         part ≡ c₀ (block 0's contribution, this stage's obligation) gives σₖ(part) ≡ σₖ(c₀) = cₖ, and Σₖ cₖ
         over [0, width) is the claim's value (`LogicalTerms.contribution_of`). One σₖ serves every member."""
         blocks = frozenset(range(width))
-        if self.moves is None or claim.logical not in self.logical.contribution or not values or \
+        if self.moves is None or claim.logical not in self.logical.contributions or not values or \
                 not all(isinstance(v, Accumulated) and v.ks == blocks for v in values):
             return None
         self.accumulated += 1
@@ -972,7 +972,7 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
                                                         for _ in first)
         renamed = all(not v.same for v in values if isinstance(v, Mirrored)) and \
             all(isinstance(v, Mirrored) for m, v in zip(members, values) if block[m] != 0)
-        if claim.logical in self.logical.contribution and even and renamed:
+        if claim.logical in self.logical.contributions and even and renamed:
             part = [v for m, v in zip(members, values) if block[m] == 0]
             accumulated = self._accumulated(claim, part, mirrors.width)
             if accumulated is not None:
