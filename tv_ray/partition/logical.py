@@ -77,6 +77,7 @@ class LogicalTerms:
     _atomic: set[str] = field(default_factory=set)       # tensors whose every element is its own atom
     _later: set[str] = field(default_factory=set)        # definitions built when asked (`_deferrable`)
     _unmade: dict[str, tuple[int, ...]] = field(default_factory=dict)   # atoms made when asked: the shape
+    _regions: dict[tuple, np.ndarray] = field(default_factory=dict)   # slices of tensors not made, by slice
     _summed: dict[tuple, np.ndarray] = field(default_factory=dict)    # blocks [0, width)'s, by slice
 
     @staticmethod
@@ -192,9 +193,13 @@ class LogicalTerms:
         unmade = self._unmade.get(name) if kind == "value" else None
         if unmade is None:
             take = (self.value if kind == "value" else self.definition)[name].__getitem__
-        else:               # the slice's atoms alone
+        else:               # the slice's atoms alone, made once (a weight's slice is read by every microbatch)
             def take(at: tuple) -> np.ndarray:
-                return _region_atoms(name, unmade, at)
+                key = (name, _hashable(at))
+                found = self._regions.get(key)
+                if found is None:
+                    found = self._regions[key] = _region_atoms(name, unmade, at)
+                return found
         if not self._has_samples(name):
             return take(slices)
         tag = self.blocks.tags[name]
@@ -215,7 +220,7 @@ class LogicalTerms:
     def contribution_of(self, name: str, slices: tuple, width: int) -> np.ndarray:
         """The part of a contribution sum that blocks [0, width) make: block 0's, plus its renamings (built once
         per slice: a group's parts and its stage read the same)."""
-        at = (name, tuple((s.start, s.stop, s.step) if isinstance(s, slice) else s for s in slices), width)
+        at = (name, _hashable(slices), width)
         found = self._summed.get(at)
         if found is None:
             found = self._summed[at] = self._contribution_of(name, slices, width)
@@ -316,6 +321,10 @@ class LogicalTerms:
         if not kept:
             self._atomic.add(name)
         return arr
+
+
+def _hashable(slices: tuple) -> tuple:
+    return tuple((s.start, s.stop, s.step) if isinstance(s, slice) else s for s in slices)
 
 
 def _region_atoms(name: str, shape: tuple[int, ...], slices: tuple) -> np.ndarray:
