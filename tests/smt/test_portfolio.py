@@ -557,3 +557,20 @@ def test_serve_answers_like_an_smtlib_solver():
     assert lines[14] == "success"
     assert lines[15].startswith('(error "RuntimeError: set-logic twice')
     assert lines[16].startswith('(error "RuntimeError: unsupported command check-sat-assuming')
+
+
+@pytest.mark.parametrize("solver", ["cvc5", "yices"])
+def test_an_smtlib_process_leaves_no_file_where_it_is_run(solver, tmp_path, monkeypatch):
+    """yices-smt2 creates a file named `stdout` in its working directory (pysmt asks for diagnostics on
+    "stdout"); the processes run in the temporary directory, so the user's stays clean."""
+    monkeypatch.chdir(tmp_path)
+    backend = tv_ray.smt.solvers.BACKENDS[solver]()      # a process of its own, started here
+    enc = encode(var("x"), var("x"))
+    backend.start(enc.formula(), enc.logic, TIMEOUT_S)
+    try:
+        assert backend.solve()[0] == "unsat"
+    finally:
+        backend.finish()
+        for created in list(backend._solvers.values()):
+            backend._drop(created)
+    assert list(tmp_path.iterdir()) == []

@@ -45,12 +45,14 @@ thread that finally returns frees it.
 """
 from __future__ import annotations
 
+import functools
 import os
 import select
 import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import threading
 import time
 from fractions import Fraction
@@ -64,11 +66,16 @@ from pysmt.fnode import FNode
 import pysmt.smtlib.commands as smtcmd
 from pysmt.smtlib.printers import SmtDagPrinter
 from pysmt.smtlib.script import SmtLibCommand
+import pysmt.smtlib.solver
 from pysmt.smtlib.solver import SmtLibSolver
 
 from tv_ray.errors import SolverBusy, SolverUnavailable, TvRayError
 
 STATUSES = ("unsat", "sat", "unknown")
+# pysmt tells every SMT-LIB process to write its diagnostics to "stdout"; yices-smt2 writes them there and also
+# creates an empty file named `stdout` in its working directory. The processes pysmt starts run in the temporary
+# directory, so none is left in the user's.
+pysmt.smtlib.solver.Popen = functools.partial(subprocess.Popen, cwd=tempfile.gettempdir())
 GRACE_S = 1.0        # how long past an interrupt, or past the timeout for a solver with its own, a check may take
 LOSER_WAIT_S = 0.1   # how long a losing process may finish before it is killed: about what restarting it costs
 RECYCLE_AFTER = 5000  # queries per pysmt environment (see `recycle`)
