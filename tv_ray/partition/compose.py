@@ -24,14 +24,14 @@ from __future__ import annotations
 from tv_ray.errors import StageCycle
 from tv_ray.partition.dag import generations, reads_of
 from tv_ray.partition.stages import Partition
-from tv_ray.plan import Plan
+from tv_ray.plan import Plan, gc_paused
 
 
-def established(part: Partition, proved: set[str]) -> tuple[set[str], list[str]]:
+def established(part: Partition, proved: set[str], reads: dict | None = None) -> tuple[set[str], list[str]]:
     """The claims reached from boundary inputs through proved stages only, and the problems (a cycle). The stage
     DAG is read with each read of a copy's claim (a mirrored rank's, a microbatch's kept as microbatch 0's) drawn
-    from the recorded stage it renames (`Partition.representative`)."""
-    reads = reads_of(part.obligations, part.representative)
+    from the recorded stage it renames (`Partition.representative`): `reads`, when given, is that DAG."""
+    reads = reads_of(part.obligations, part.representative) if reads is None else reads
     try:
         depth = generations(reads)
     except StageCycle as cycle:
@@ -46,14 +46,18 @@ def established(part: Partition, proved: set[str]) -> tuple[set[str], list[str]]
 
 def composition_problems(plan: Plan, part: Partition, proved: set[str]) -> list[str]:
     """What keeps the proved stages (ids in `proved`) from composing into the end-to-end claim; [] when they do."""
+    with gc_paused():       # millions of stage ids renamed, nothing cyclic: the collector only costs time
+        return _problems(plan, part, proved)
+
+
+def _problems(plan: Plan, part: Partition, proved: set[str]) -> list[str]:
     problems = list(part.notes)
     boundary = set(part.boundary)
-    for ob in part.obligations:
-        for src in ob.reads:
-            src = part.representative(src)
-            if src not in boundary and src not in proved:
-                problems.append(f"stage {ob.id} reads {src}, which is neither boundary lineage nor proved")
-    done, cycles = established(part, proved)
+    reads = reads_of(part.obligations, part.representative)
+    for cid, srcs in reads.items():
+        for src in sorted(srcs - boundary - proved, key=str):
+            problems.append(f"stage {cid} reads {src}, which is neither boundary lineage nor proved")
+    done, cycles = established(part, proved, reads)
     problems += cycles
     covered = {ob.claim.logical for ob in part.obligations if ob.claim.boundary and ob.id in done}
     for name, value in plan.logical.outputs:
