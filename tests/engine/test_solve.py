@@ -56,3 +56,22 @@ def test_smt_tier_gets_the_normalisers_ground_lemmas_for_exp_and_log():
     wrong = solve(lhs, [log(exp(x) + exp(y)) + z], Budget(solvers=("z3",), tiers=(2,)))
     assert wrong.verdict != "proved"
     assert ground_lemmas(log(x * y)) == ((), ())      # signs unknown: log(xy) = log x + log y is not stated
+
+
+def test_a_solve_task_travels_as_a_term_table_and_is_solved_here_as_it_is():
+    """Pickled (to a worker process or an actor), a task is its key, a flat term table and the number of
+    equations — no live term — and comes back with the very same interned terms; solved in this process, its
+    terms are never serialised."""
+    import pickle
+
+    from tv_ray.engine.executor import SolveTask, solve_batch
+    from tv_ray.terms import Term, add, to_table
+    x, y = var("x"), var("y")
+    task = SolveTask.make("k", [add(x, y), x], [add(y, x), y])
+    rebuild, args = task.__reduce__()
+    assert args == ("k", to_table(add(x, y), x, add(y, x), y), 2)
+    assert not any(isinstance(a, Term) for a in args)
+    back = pickle.loads(pickle.dumps(task))
+    assert back.key == "k" and back.equations == 2 and all(a is b for a, b in zip(back.roots, task.roots))
+    (key, verdict), = solve_batch([task], Budget(solvers=("z3",)))
+    assert key == "k" and verdict.verdict == "refuted"          # x = y is false
