@@ -51,6 +51,8 @@ from tv_ray.smt import prove
 from tv_ray.terms import Term
 from tv_ray.terms.normal import NormaliseError, Normaliser, ground_lemmas
 
+ROWS_AT_ONCE = 1 << 22      # rows of the instantiation map compared at a time
+
 
 @dataclass
 class CheckReport:
@@ -176,23 +178,31 @@ def _compare(part, table: Path, advance: Callable[[int], object] = lambda n: Non
 
 def _compare_instances(part, table: Path) -> int:
     """The instantiation map against the plan's stages not recorded (each a recorded stage moved to a microbatch
-    and a dp rank's block, re-derived here); raises naming the first row that differs. The number of rows."""
-    got = pq.read_table(table)
+    and a dp rank's block, re-derived here), a record batch at a time (llama3-405b's map has 176 M rows); raises
+    naming the first row that differs. The number of rows."""
+    got = pq.ParquetFile(table)
     columns = ["rank", "stage", "microbatch"]
-    if got.column_names != columns:
-        raise CertificateError(f"{INSTANCES}: columns {got.column_names}, expected {columns}")
-    ranks, stages, mbs = (got.column(c).to_numpy().astype(np.int64) for c in columns)
-    if len(ranks) != part.copies:
-        raise CertificateError(f"{INSTANCES}: {len(ranks):,} stages where the plan has {part.copies:,} not recorded")
-    wrong = np.flatnonzero((ranks != part.copy_ranks) | (stages != part.copy_of) | (mbs != part.copy_mb))
-    if len(wrong):
-        i = int(wrong[0])
-        stage = part.obligations[int(part.copy_of[i])]
-        raise CertificateError(f"{INSTANCES}: row {i + 1} renames stage row {int(stages[i]) + 1} to rank "
-                               f"{int(ranks[i])}, microbatch {int(mbs[i])}, where the plan's stage {i + 1} not "
-                               f"recorded is stage {stage.id} renamed to rank {int(part.copy_ranks[i])}, microbatch "
-                               f"{int(part.copy_mb[i])}")
-    return len(ranks)
+    if got.schema_arrow.names != columns:
+        raise CertificateError(f"{INSTANCES}: columns {got.schema_arrow.names}, expected {columns}")
+    if got.metadata.num_rows != part.copies:
+        raise CertificateError(f"{INSTANCES}: {got.metadata.num_rows:,} stages where the plan has {part.copies:,} "
+                               f"not recorded")
+    start = 0
+    for batch in got.iter_batches(batch_size=ROWS_AT_ONCE):
+        ranks, stages, mbs = (batch.column(c).to_numpy() for c in columns)
+        end = start + len(ranks)
+        wrong = np.flatnonzero((ranks != part.copy_ranks[start:end]) | (stages != part.copy_of[start:end]) |
+                               (mbs != part.copy_mb[start:end]))
+        if len(wrong):
+            j = int(wrong[0])
+            i = start + j
+            stage = part.obligations[int(part.copy_of[i])]
+            raise CertificateError(f"{INSTANCES}: row {i + 1} renames stage row {int(stages[j]) + 1} to rank "
+                                   f"{int(ranks[j])}, microbatch {int(mbs[j])}, where the plan's stage {i + 1} not "
+                                   f"recorded is stage {stage.id} renamed to rank {int(part.copy_ranks[i])}, "
+                                   f"microbatch {int(part.copy_mb[i])}")
+        start = end
+    return start
 
 
 def check_certificate(out: str | Path, sample: int | None = None, solvers: tuple[str, ...] = ("z3", "yices"),
