@@ -88,13 +88,13 @@ def test_explain_into_a_closed_pipe_ends_quietly(tmp_path):
 
 def test_ctrl_c_ends_with_130_and_the_resume_command_not_a_traceback(tmp_path):
     out = tmp_path / "out"
-    run = subprocess.Popen([str(BIN / "tv-ray"), "verify", "--model", "llama3-tiny", "--parallel", "dp=2,tp=2,pp=2",
-                            "-o", str(out), "--engine", "local"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True, env=ENV)
+    run = subprocess.Popen([str(BIN / "tv-ray"), "verify", "--model", "llama3-tiny", "--parallel",
+                            "dp=2,tp=2,pp=2,mb=4", "-o", str(out), "--engine", "local"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env=ENV)
     deadline = time.monotonic() + 120
     while not (out / "checkpoint" / "run.json").exists() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    time.sleep(1.0)                 # into the derivation
+        time.sleep(0.05)
+    # at once: the run has started its checkpoint and derives its stages (a second later it had ended once)
     run.send_signal(signal.SIGINT)
     _, err = run.communicate(timeout=60)
     assert run.returncode == 130, err
