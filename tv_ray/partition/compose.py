@@ -27,11 +27,10 @@ from tv_ray.partition.stages import Partition
 from tv_ray.plan import Plan, gc_paused
 
 
-def established(part: Partition, proved: set[str], reads: dict | None = None) -> tuple[set[str], list[str]]:
-    """The claims reached from boundary inputs through proved stages only, and the problems (a cycle). The stage
-    DAG is read with each read of a copy's claim (a mirrored rank's, a microbatch's kept as microbatch 0's) drawn
-    from the recorded stage it renames (`Partition.representative`): `reads`, when given, is that DAG."""
-    reads = reads_of(part.obligations, part.representative) if reads is None else reads
+def established(part: Partition, proved: set[str], reads: dict) -> tuple[set[str], list[str]]:
+    """The claims reached from boundary inputs through proved stages only, and the problems (a cycle). `reads` is
+    the stage DAG with each read of a copy's claim (a mirrored rank's, a microbatch's kept as microbatch 0's) drawn
+    from the recorded stage it renames (`reads_of(part.obligations, part.representative)`)."""
     try:
         depth = generations(reads)
     except StageCycle as cycle:

@@ -104,8 +104,9 @@ class LogicalTerms:
             if varies:
                 varying.add(node.name)
             gathers = lt._gathers(node)  # no samples, from tensors with samples: over the whole batch
-            if node.name in blocks.sums if gathers else \
-                    node.op in MOVES_ELEMENTS and node.args[0] in lt.contributions:
+            summed = node.name in blocks.sums if gathers else \
+                node.op in MOVES_ELEMENTS and node.args[0] in lt.contributions      # a view of one
+            if summed:
                 lt.contributions.add(node.name)
             if gathers:
                 if node.name in blocks.sums and varies:
