@@ -107,7 +107,7 @@ EXPAND_LIMIT = 2_000_000      # stages from which the digests hash the recorded 
 
 def digests(part) -> dict:
     """`digest` (stages with keys), `stages_digest` (without them) and `copies_digest`. Up to `EXPAND_LIMIT`
-    stages, the first two cover every stage expanded (id, ranks, reads, claim), so a mode that steps the mirrored
+    stages, the first two cover every stage expanded (id, ranks, reads as a set, claim), so a mode that steps the mirrored
     ranks or runs pipeline shards compares equal, and there is no third; past it, they cover the recorded stages
     (sorted by id) and the count of the others, and `copies_digest` those as (rank, its stage's place in that
     order, microbatch: the instantiation map) — expanding tens of millions of them in Python would take longer
@@ -118,7 +118,7 @@ def digests(part) -> dict:
     stages = list(part.obligations if compact else part.every())
     order = sorted(range(len(stages)), key=lambda i: str(stages[i].id))
     for o in (stages[i] for i in order):
-        line = f"{o.id}|{o.ranks}|{[str(r) for r in o.reads]}|{o.claim}"
+        line = f"{o.id}|{o.ranks}|{sorted(str(r) for r in o.reads)}|{o.claim}"
         bare.update(f"{line}\n".encode())
         keyed.update(f"{line}|{o.key}\n".encode())
     out = {}

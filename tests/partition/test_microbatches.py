@@ -18,7 +18,7 @@ from tv_ray.partition.claims import _Matcher
 from tv_ray.partition.compose import composition_problems
 from tv_ray.partition.derive import claims_for
 from tv_ray.partition.generate import partition
-from tv_ray.partition.microbatches import counterparts
+from tv_ray.partition.microbatches import CopyIndex, counterparts
 from tv_ray.partition.symmetry import microbatch_moves
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
@@ -54,6 +54,28 @@ def test_each_op_of_a_microbatch_pairs_with_microbatch_0s_at_its_place(claimed):
         # a send or receive carries its microbatch's tag: never paired, so always stepped
         assert not any(nodes[m].op in (Op.SEND, Op.RECV) for m in pairs)
         assert all(n.name in pairs for n in later if n.op not in (Op.SEND, Op.RECV)), name
+
+
+def test_a_copy_is_found_by_its_id_and_nothing_else_is(claimed):
+    plan, dims, claims = claimed("dp=2,tp=2,pp=2,mb=4")
+    part = partition(plan, dims, claims, shards=False)
+    rows = part._microbatch_copy_rows()
+    index = CopyIndex(part.obligations, part.shifts, part.copy_of[rows], part.copy_mb[rows])
+    assert len(rows) > 100
+    for i, ob in enumerate(part.obligations):
+        assert index.find(ob.id) == (i, 0)
+    for i in rows.tolist():
+        stage, k = int(part.copy_of[i]), int(part.copy_mb[i])
+        assert index.find(part.copy(i).id) == (stage, k)
+        assert part.representative(part.copy(i).id) == part.obligations[stage].id
+    # an op of microbatch k whose stage was recorded (not kept as a copy): its own, not a copy
+    moved = [(i, ob) for i, ob in enumerate(part.obligations) if ob.mb]
+    assert moved and all(index.find(ob.id) == (i, 0) for i, ob in moved)
+    # no op of that name, and a copy the map does not hold: no stage
+    cid = part.copy(int(rows[0])).id
+    assert index.find(cid._replace(tensor=cid.tensor + "_x")) is None
+    assert CopyIndex(part.obligations, part.shifts, part.copy_of[rows][1:], part.copy_mb[rows][1:]).find(cid) is None
+    assert part.representative(cid._replace(tensor=cid.tensor + "_x")) == cid._replace(tensor=cid.tensor + "_x")
 
 
 def _verify(plan):

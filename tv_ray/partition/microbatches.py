@@ -91,11 +91,13 @@ class Shifts:
         self.blocks = blocks
         self.pairs: dict[str, dict[str, str]] = {}     # program -> op of microbatch k -> its counterpart
         self.named: dict[str, dict[tuple[str, int], str]] = {}   # program -> (counterpart, k) -> op
+        self.mb: dict[str, dict[str, int]] = {}        # program -> op of microbatch k -> k
         for name in set(self.program_of):
             program = plan.programs[name]
             mb = {node.name: node.get_meta("mb") for node in program.nodes}
             self.pairs[name] = pairs = counterparts(program)
             self.named[name] = {(base, mb[op]): op for op, base in pairs.items()}
+            self.mb[name] = {op: mb[op] for op in pairs}
 
     def rename_id(self, cid: StageId, k: int) -> StageId:
         """A stage or claim id of microbatch 0 as microbatch k's (an input, or an op no microbatch pairs, is
@@ -105,13 +107,49 @@ class Shifts:
         name = self.named[self.program_of[cid.ranks[0]]].get((cid.tensor, k))
         return cid if name is None else StageId(cid.kind, cid.ranks, name)
 
+    def first(self, cid: StageId) -> tuple[StageId, int] | None:
+        """The id of microbatch 0 and the k that `rename_id` names `cid` from, for an op some microbatch k ≥ 1
+        pairs; else None."""
+        if cid.kind not in ("r", "g"):
+            return None
+        program = self.program_of[cid.ranks[0]]
+        base = self.pairs[program].get(cid.tensor)
+        return None if base is None else (StageId(cid.kind, cid.ranks, base), self.mb[program][cid.tensor])
+
     def shift(self, ob, k: int):
         """Stage `ob` of microbatch 0 as microbatch k's (its position, microbatch 0's)."""
         cid = self.rename_id(ob.id, k)
         reads = [self.rename_id(r, k) for r in ob.reads]
         return type(ob)(cid, ob.ranks, ob.program, cid.tensor, self.blocks.move(ob.claim, k), ob.key,
-                        tuple(reads) if len(reads) < 2 else tuple(sorted(reads, key=str)), ob.op, ob.module,
+                        tuple(reads) if len(reads) < 2 else tuple(sorted(reads)), ob.op, ob.module,
                         ob.phase, ob.realises, k, ob.position, ob.notes)
+
+
+class CopyIndex:
+    """The stages of a generation by id: a recorded one (its index, microbatch 0), or a microbatch copy — recorded
+    stage i moved to microbatch k (`shifted`: the (i, k) of each) — whose id is that stage's renamed
+    (`Shifts.rename_id`), found from its op back to the counterpart (`Shifts.first`) without naming every copy."""
+
+    def __init__(self, obligations, shifts: Shifts | None, at: np.ndarray, ks: np.ndarray):
+        self.obligations, self.shifts = obligations, shifts
+        self.recorded = {ob.id: i for i, ob in enumerate(obligations)}
+        self.width = int(ks.max(initial=0)) + 1
+        self.copies = np.unique(at.astype(np.int64) * self.width + ks)     # each (stage, microbatch), encoded
+
+    def find(self, cid: StageId) -> tuple[int, int] | None:
+        """(recorded stage, microbatch) of the stage with id `cid`; None if there is none."""
+        i = self.recorded.get(cid)
+        if i is not None:
+            return i, 0
+        first = self.shifts.first(cid) if self.shifts is not None else None
+        i = self.recorded.get(first[0]) if first is not None else None
+        if i is None or not 0 < first[1] < self.width:
+            return None
+        code = i * self.width + first[1]
+        at = int(np.searchsorted(self.copies, code))
+        if at == len(self.copies) or self.copies[at] != code:
+            return None
+        return i, first[1]
 
 
 def counterparts(program: Graph) -> dict[str, str]:
@@ -228,8 +266,9 @@ class Renamed:
         if self._expands_to(first, k, cid, members, state, node, claim, reads):
             self.shifted[0].append(at)
             self.shifted[1].append(k)
+            self._latest = (at, k)
         else:
-            self.obligations.append(self._obligation(cid, members, state, node, claim, first.key, reads))
+            self._append(cid, members, state, node, claim, first.key, reads)
 
     def _expands_to(self, first, k: int, cid, members, state, node, claim, reads) -> bool:
         """Is `Shifts.shift(first, k)` (its position aside) exactly the stage `_obligation` records here? Field by
@@ -249,4 +288,4 @@ def place(claim) -> tuple:
     return claim.logical, claim.offsets, claim.shape, claim.partial
 
 
-__all__ = ["counterparts", "place", "Renamed", "Shifts", "Moved", "Accumulated", "LAZY"]
+__all__ = ["counterparts", "place", "Renamed", "Shifts", "CopyIndex", "Moved", "Accumulated", "LAZY"]

@@ -37,6 +37,7 @@ import weakref
 from array import array
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Iterator
 
 import numpy as np
@@ -45,13 +46,13 @@ from tqdm import tqdm
 from tv_ray.errors import Asymmetric, TvRayError, Unshardable
 from tv_ray.execute import TOKEN, Scheduler
 from tv_ray.ir import Node, Op
-from tv_ray.ir.ops import COLLECTIVES
+from tv_ray.ir.ops import COLLECTIVES, VIEWS
 from tv_ray.partition.claims import Claim
 from tv_ray.partition.keys import content_digests, formula_key
 from tv_ray.partition.lazy import COMPUTED, Continued, Contribution, Deferred, Free, terms_of
 from tv_ray.partition.logical import LogicalTerms, atoms
 from tv_ray.partition.ids import Part, StageId
-from tv_ray.partition.microbatches import LAZY, Accumulated, Moved, Renamed, Shifts, place
+from tv_ray.partition.microbatches import LAZY, Accumulated, CopyIndex, Moved, Renamed, Shifts, place
 from tv_ray.partition.standins import Mirrored, StandIns, constant
 from tv_ray.partition.symmetry import Mirrors, Moves
 from tv_ray.partition.templates import Templates, contributed, leaf, part
@@ -81,7 +82,7 @@ class Obligation:
     tensor: str
     claim: Claim
     key: str                        # of the formula computed terms == claim (`Partition.formulas[key]`)
-    reads: tuple[StageId, ...]      # the claims this stage read (obligations or boundary inputs), in text order
+    reads: tuple[StageId, ...]      # the claims this stage read (obligations or boundary inputs), in id order
     op: str = ""
     module: str = ""
     phase: str = ""
@@ -119,7 +120,7 @@ class Partition:
     templated: int = 0              # stages keyed from their template, their terms never built
     renamed: int = 0                # ops of microbatches k > 0 taken as microbatch 0's renamed, never evaluated
     stood_in: int = 0               # mirrored ranks never stepped (`tv_ray.partition.standins`)
-    _firsts: dict | None = field(default=None, repr=False)   # microbatch copy id -> microbatch 0's stage id
+    _firsts: CopyIndex | None = field(default=None, repr=False)   # the microbatch copies on their own ranks, by id
 
     @property
     def copies(self) -> int:
@@ -154,7 +155,7 @@ class Partition:
         image = self.mirrors.image[k]
         return Obligation(self.mirrors.rename_id(ob.id, k), tuple(image.get(r, r) for r in ob.ranks), ob.program,
                           ob.tensor, self.mirrors.move(ob.claim, k), ob.key,
-                          tuple(sorted((self.mirrors.rename_id(r, k) for r in ob.reads), key=str)), ob.op, ob.module,
+                          tuple(sorted(self.mirrors.rename_id(r, k) for r in ob.reads)), ob.op, ob.module,
                           ob.phase,
                           ob.realises, ob.mb, ob.position, ob.notes)
 
@@ -179,12 +180,11 @@ class Partition:
         if self.shifts is None:
             return cid
         if self._firsts is None:
-            # a microbatch copy's id is its recorded stage's renamed (`Shifts.shift`): named without expanding it
-            self._firsts = {}
-            for i in self._microbatch_copy_rows().tolist():
-                first = self.obligations[int(self.copy_of[i])].id
-                self._firsts[self.shifts.rename_id(first, int(self.copy_mb[i]))] = first
-        return self._firsts.get(cid, cid)
+            # a microbatch copy's id is its recorded stage's renamed (`Shifts.shift`): found without expanding it
+            rows = self._microbatch_copy_rows()
+            self._firsts = CopyIndex(self.obligations, self.shifts, self.copy_of[rows], self.copy_mb[rows])
+        found = self._firsts.find(cid)
+        return cid if found is None else self.obligations[found[0]].id
 
     def every(self) -> Iterator[Obligation]:
         """Every stage: the recorded ones, then the instantiation map's expanded one at a time."""
@@ -289,6 +289,10 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
         self.pending: dict[str, dict[int, np.ndarray]] = {}
         self.obligations: list[Obligation] = []
         self.copied = array("i"), array("i")        # (rank, op position) of each mirrored stage, in order
+        # ... and the stage it copies where that is known as it is copied (a representative's cut: `_latest`),
+        # else -1 (`resolve_copies` finds it by id)
+        self.copied_of = array("i"), array("i")
+        self._latest = (-1, 0)      # (recorded stage, microbatch) of the stage recorded or kept as a copy last
         self.formulas: dict[str, tuple[list[Term], list[Term]]] = {}
         self.unformed: dict[str, str] = {}
         self.notes: list[str] = []
@@ -373,7 +377,8 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
 
         - a group member's part of a partial claim: its group's template is known only once every part
           arrived, and the part is built then if that template was not (`_record`);
-        - a matrix product no claim cuts (`UNCUT_DEFERRED`): built when an op that reads it is.
+        - a matrix product no claim cuts (`UNCUT_DEFERRED`), or a view no claim cuts of a value not built:
+          built when an op that reads it is.
 
         The first instance of each is computed where it stands (an op without a symbolic rule is found there)."""
         self._evaluating = None
@@ -381,7 +386,8 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
                 not all(isinstance(a, COMPUTED) for a in args):
             return None
         claim = self._claim(state.rank, node.name)
-        if claim is None and node.op not in UNCUT_DEFERRED:
+        if claim is None and node.op not in UNCUT_DEFERRED and \
+                not (node.op in VIEWS and any(isinstance(a, Deferred) for a in args)):
             return None
         made = self.templates.op(node, [self.provenance.get((state.rank, a)) for a in node.args], state.ctx)
         if made is None:
@@ -564,9 +570,8 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
         Sound by renaming: each value is Σₖ σₖ(part) (σₖ the microbatch renaming, a bijection on variables);
         part ≡ c₀ (block 0's contribution, this stage's obligation) gives σₖ(part) ≡ σₖ(c₀) = cₖ, and Σₖ cₖ
         over [0, width) is the claim's value (`LogicalTerms.contribution_of`). One σₖ serves every member."""
-        blocks = frozenset(range(width))
         if self.moves is None or claim.logical not in self.logical.contributions or not values or \
-                not all(isinstance(v, Accumulated) and v.ks == blocks for v in values):
+                not all(isinstance(v, Accumulated) and v.ks == _first(width) for v in values):
             return None
         self.accumulated += 1
         return values
@@ -862,10 +867,9 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
         copied = all(m in self.mirrored for m in members)
         if self._complete(members, parts):
             del self.pending[cid]
+            grouped = len(parts) == len(members) and rank in self.mirrors_of    # its mirrors copy the stage
             if len(parts) < len(members):
                 self._stand_in_parts(cid, members, claim, parts)
-            elif rank in self.mirrors_of:
-                self._copy_groups(state, cid, members)
             reads = frozenset().union(*(parts[m][1] for m in members))
             values = [parts[m][0] for m in members]
             made = [parts[m][2] for m in members]
@@ -878,6 +882,8 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
             elif not self._moved_stage(cid, members, state, node, claim, values, reads):
                 self._record_group(cid, members, state, node, claim, values, reads, made)
                 self._remember(members, node, claim, values)
+            if grouped:
+                self._copy_groups(state, cid, members)
         if copied and isinstance(value, Mirrored):
             return Mirrored(claim.shape), None
         out = self._part(rank, members, claim, cid)
@@ -1001,6 +1007,8 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
         partition expands it from the representative's stage, `Partition.copy`)."""
         self.copied[0].append(state.rank)
         self.copied[1].append(state.pc)
+        self.copied_of[0].append(-1)
+        self.copied_of[1].append(0)
 
     def _record(self, cid, members, state, node: Node, claim: Claim, values, reads, made: tuple | None = None,
                 width: int = 0) -> None:
@@ -1057,6 +1065,7 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
 
     def _append(self, cid, members, state, node: Node, claim: Claim, key: str, reads) -> None:
         self.obligations.append(self._obligation(cid, members, state, node, claim, key, reads))
+        self._latest = (len(self.obligations) - 1, 0)
 
     def _info_of(self, node: Node) -> tuple:
         """What a stage records of its op: kind, module, phase, the logical op it realises, its microbatch."""
@@ -1071,54 +1080,52 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
         """The stage at `node`, as recorded next."""
         op, module, phase, realises, mb = self._info_of(node)
         return Obligation(cid, members, state.name, node.name, claim, key, tuple(reads) if len(reads) < 2 else
-                          tuple(sorted(reads, key=str)), op, module, phase, realises, mb, len(self.obligations))
+                          tuple(sorted(reads)), op, module, phase, realises, mb, len(self.obligations))
 
     def resolve_copies(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The instantiation map of the stages not recorded: (rank, recorded stage, microbatch it is moved to) of
-        each — the microbatch copies (`shifted`, on their own ranks), then the mirrored stages. A mirrored rank's
-        stage is its representative's at the same op (a whole or sliced claim's found once per representative and
-        op; a partial one's the group of the representative's images), which may itself be a microbatch copy."""
+        each — the microbatch copies (`shifted`, on their own ranks), then the mirrored stages. A mirror's copy of
+        its representative's cut names the stage it copies already (`_copy_mirrors`); a stepped mirror's stage is
+        its representative's at the same op (a whole or sliced claim's found once per representative and op; a
+        partial one's the group of the representative's images), which may itself be a microbatch copy."""
         at, ks = (np.frombuffer(a, dtype=np.int32) for a in self.shifted)
-        own = np.asarray([self.obligations[i].ranks[0] for i in at.tolist()], dtype=np.int32)
+        first_rank = np.fromiter((ob.ranks[0] for ob in self.obligations), dtype=np.int32,
+                                 count=len(self.obligations))
+        own = first_rank[at]
         ranks, pcs = (np.frombuffer(a, dtype=np.int32) for a in self.copied)
-        reps, mbs = np.empty(len(ranks), dtype=np.int32), np.zeros(len(ranks), dtype=np.int32)
-        if len(ranks):      # the stages a mirror may copy: recorded ones and microbatch copies, by id
-            index = {ob.id: (i, 0) for i, ob in enumerate(self.obligations)}
-            for i, k in zip(at.tolist(), ks.tolist()):
-                index[self.shifts.rename_id(self.obligations[i].id, k)] = (i, k)
-            rep_of = np.full(self.plan.num_ranks, -1, dtype=np.int32)
-            rep_of[list(self.mirrored)] = list(self.mirrored.values())
-            # a representative's cut is copied by its mirrors in one run (`_copy_mirrors`): each run is resolved
-            # by its first copy, each (representative, op) once — without sorting every copy
-            rep = rep_of[ranks]
-            starts = np.flatnonzero(np.concatenate(([True], (rep[1:] != rep[:-1]) | (pcs[1:] != pcs[:-1]))))
-            whole = np.empty((len(starts), 2), dtype=np.int32)   # the stage per run; -1: a partial claim's
+        reps, mbs = (np.array(a, dtype=np.int32) for a in self.copied_of)
+        unknown = np.flatnonzero(reps < 0)
+        if len(unknown):
+            stages = CopyIndex(self.obligations, self.shifts, at, ks)
             resolved: dict[tuple[int, int], tuple[int, int]] = {}
-            for u, i in enumerate(starts.tolist()):
-                key = int(rep[i]), int(pcs[i])
-                if key not in resolved:
-                    resolved[key] = self._resolve(int(ranks[i]), key[1], index, alone=True)
-                whole[u] = resolved[key]
-            del rep
-            lengths = np.diff(np.append(starts, len(ranks)))
-            reps[:], mbs[:] = np.repeat(whole[:, 0], lengths), np.repeat(whole[:, 1], lengths)
-            for i in np.flatnonzero(reps < 0).tolist():
-                reps[i], mbs[i] = self._resolve(int(ranks[i]), int(pcs[i]), index, alone=False)
+            for i in unknown.tolist():
+                key = int(self.mirrored[int(ranks[i])]), int(pcs[i])
+                found = resolved.get(key)
+                if found is None:
+                    found = self._resolve(int(ranks[i]), key[1], stages)
+                    if not self.claims[key[0], self.ranks[key[0]].program.nodes[key[1]].name].partial:
+                        resolved[key] = found      # a partial claim's stage depends on the mirror's group
+                reps[i], mbs[i] = found
         return np.concatenate([own, ranks]), np.concatenate([at, reps]), np.concatenate([ks, mbs])
 
-    def _resolve(self, rank: int, pc: int, index: dict, alone: bool) -> tuple[int, int]:
-        """(the recorded stage, microbatch) a mirrored rank's stage at op `pc` copies ((-1, 0) with `alone` for a
-        partial claim, whose stage is that of the group of images of the rank's own group)."""
+    def _resolve(self, rank: int, pc: int, stages: CopyIndex) -> tuple[int, int]:
+        """(the recorded stage, microbatch) a stepped mirror's stage at op `pc` copies: its representative's, or for
+        a partial claim that of the group of images of the rank's own group."""
         node = self.ranks[rank].program.nodes[pc]
-        partial = self.claims[self.mirrored[rank], node.name].partial
-        if alone and partial:
-            return -1, 0
         k = self.mirrors.block[rank]
-        rep = StageId.group(tuple(self.mirrors.image[k][m] for m in self.members(rank, partial)), node.name)
-        if rep not in index:
+        members = self.members(rank, self.claims[self.mirrored[rank], node.name].partial)
+        rep = StageId.group(tuple(self.mirrors.image[k][m] for m in members), node.name)
+        found = stages.find(rep)
+        if found is None:
             raise Asymmetric(f"{self.plan.describe(rank)} {node.name} mirrors stage {rep}, which no "
                              f"representative recorded")
-        return index[rep]
+        return found
+
+
+@cache
+def _first(width: int) -> frozenset[int]:
+    """Blocks [0, width) (built once: a 405B plan asks for its 1,024 blocks at every stage)."""
+    return frozenset(range(width))
 
 
 def _memo_key(node: Node, args, members=()) -> tuple:

@@ -218,11 +218,14 @@ class StandIns:
         return True
 
     def _copy_mirrors(self, state) -> None:
-        """A representative's whole or sliced cut: each of its mirrors' copy of the stage."""
+        """A representative's cut (whole or sliced, or completing a group within dp 0), its stage just recorded or
+        kept as a microbatch copy (`_latest`): each of its mirrors' copy of that stage."""
         ranks = self._copies.get(state.rank)
         if ranks:
             self.copied[0].extend(ranks)
             self.copied[1].extend(array("i", (state.pc,)) * len(ranks))
+            self.copied_of[0].extend(array("i", (self._latest[0],)) * len(ranks))
+            self.copied_of[1].extend(array("i", (self._latest[1],)) * len(ranks))
 
     def _part_arrived(self, cid: StageId, members, rank: int, kind) -> None:
         if kind is not None and kind is not SAME and not any(m in self.virtual for m in members):
