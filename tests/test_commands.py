@@ -13,6 +13,7 @@ import pytest
 
 from tv_ray.api import verify
 from tv_ray.cli import build_parser, main
+from tv_ray.commands import _descendants
 from tv_ray.errors import SettingsError
 
 BIN = Path(sys.executable).parent
@@ -137,24 +138,15 @@ def test_a_ctrl_c_python_drops_in_a_weakref_callback_is_raised_again(monkeypatch
     assert sys.unraisablehook == printed.append
 
 
-def _descendants(pid: int) -> list[list[str]]:
+def _argvs_below(pid: int) -> list[list[str]]:
     """The command lines of every process below `pid`."""
-    parent: dict[int, int] = {}
-    argv: dict[int, list[str]] = {}
-    for entry in Path("/proc").iterdir():
+    out = []
+    for child in _descendants(pid):
         try:
-            if entry.name.isdigit():
-                parent[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                argv[int(entry.name)] = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
-        except (OSError, IndexError, ValueError):
+            out.append(Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace").split("\0"))
+        except OSError:
             pass
-    def below(p: int) -> bool:
-        while p in parent and p > 1:
-            p = parent[p]
-            if p == pid:
-                return True
-        return False
-    return [argv[p] for p in parent if below(p) and p in argv]
+    return out
 
 
 def _session_processes(session: str) -> list[int]:
@@ -168,12 +160,27 @@ def _session_processes(session: str) -> list[int]:
     return out
 
 
+def test_a_ray_shutdown_that_hangs_is_abandoned_and_its_processes_killed():
+    # in a process of its own: the stop kills every process below the one that calls it
+    script = """
+import subprocess, sys, time, types
+sys.modules["ray"] = types.SimpleNamespace(shutdown=lambda: time.sleep(600))   # a GCS that never answers
+from tv_ray.commands import _stop_ray
+child = subprocess.Popen(["sleep", "600"])
+started = time.monotonic()
+stopped = _stop_ray(wait_s=1.0)
+print(stopped, round(time.monotonic() - started), child.wait(timeout=10))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=ENV)
+    assert done.stdout.split() == ["False", "1", str(-signal.SIGKILL)], done.stderr
+
+
 def test_ctrl_c_while_ray_starts_leaves_no_ray_process_behind(tmp_path):
     run = subprocess.Popen([str(BIN / "tv-ray"), "verify", "--model", "llama3-tiny", "--parallel", "dp=2", "-o",
                             str(tmp_path / "out")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     session, deadline = None, time.monotonic() + 120
     while session is None and time.monotonic() < deadline:       # the local Ray's raylet is up: Ray is starting
-        for argv in _descendants(run.pid):
+        for argv in _argvs_below(run.pid):
             session = next((a.split("=", 1)[1] for a in argv if a.startswith("--session_dir=")), None)
             if session:
                 break

@@ -31,6 +31,7 @@ from tv_ray.simulate import parse_dims
 
 EXIT = {"proved": 0, "refuted": 1, "unknown": 2}
 INTERRUPTED = 130         # Ctrl-C: 128 + SIGINT, as shells report it — never "refuted"
+STOP_S = 60.0             # how long a Ctrl-C waits for Ray to stop before killing its processes
 
 
 def _one_line(err: Exception) -> str:
@@ -193,9 +194,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
             interrupts.check()
             written = result.save(args.output)
     except KeyboardInterrupt:
-        _stop_ray()
+        stopped = _stop_ray()
         print("tv-ray verify: interrupted", file=sys.stderr)
         _resume_hint(args.output)
+        if not stopped:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(INTERRUPTED)
         return INTERRUPTED
     except (TvRayError, OSError, ValueError) as err:
         print(f"tv-ray verify: {_one_line(err)}", file=sys.stderr)
@@ -221,15 +226,52 @@ def _resume_hint(out: str | None) -> None:
               f"`tv-ray verify --resume {out}`", file=sys.stderr)
 
 
-def _stop_ray() -> None:
+def _stop_ray(wait_s: float = STOP_S) -> bool:
     """Stop the Ray this process started (its dashboard and agents go with it), if it started one; a cluster
-    it joined keeps running."""
+    it joined keeps running. False when Ray's shutdown did not end within `wait_s` — a local Ray interrupted half
+    started, whose GCS never answers, keeps Ray's driver waiting up to its reconnect limit (`DRIVER_RECONNECT_S`,
+    ten minutes) —: then this process's own processes (that Ray's) are killed, and the caller ends at once
+    (`os._exit`), for Ray's exit hook would wait again."""
     ray = sys.modules.get("ray")
-    if ray is not None:
+    if ray is None:
+        return True
+    stopper = threading.Thread(target=_shutdown, args=(ray,), name="stop-ray", daemon=True)
+    stopper.start()
+    stopper.join(wait_s)
+    if not stopper.is_alive():
+        return True
+    for pid in _descendants(os.getpid()):
         try:
-            ray.shutdown()
-        except Exception:  # noqa: BLE001 — an interrupt may leave Ray half started; shutdown does what it can
+            os.kill(pid, signal.SIGKILL)
+        except OSError:        # gone already
             pass
+    return False
+
+
+def _shutdown(ray) -> None:
+    try:
+        ray.shutdown()
+    except Exception:  # noqa: BLE001 — an interrupt may leave Ray half started; shutdown does what it can
+        pass
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below `pid` (Linux: read from /proc), children first."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                # the parent is the 4th field after the command in parentheses, which may hold spaces
+                ppid = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
 
 
 def cmd_check(args: argparse.Namespace) -> int:
