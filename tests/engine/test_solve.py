@@ -16,6 +16,14 @@ def test_normaliser_proves_and_records_axioms():
     assert "log_mul" in v.axioms or "exp_add" in v.axioms
 
 
+def test_sides_that_are_one_term_are_proved_by_reflexivity_past_the_normalisers_budget():
+    big = sum_([var(f"a{i}") for i in range(200)]) * sum_([var(f"b{i}") for i in range(200)])   # 40,000 products
+    v = solve([big, (x + y) * (x + y)], [big, x * x + 2 * x * y + y * y], Budget(tiers=(0,)))
+    assert (v.verdict, v.tier, v.method) == ("proved", 0, "identical+normalised")
+    v = solve([big * (x + y)], [big * x + big * y], Budget(tiers=(0,)))   # equal, not one term: past the budget
+    assert v.verdict == "unknown"
+
+
 def test_random_point_refutes_with_the_element_and_exact_values():
     v = solve([x + y, 2 * (x + y)], [x + y, x + y])
     assert (v.verdict, v.tier, v.method, v.element) == ("refuted", 1, "random-point", 1)

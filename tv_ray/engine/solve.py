@@ -1,7 +1,10 @@
 """Solving one unique obligation through the tiers: normalise (0), random points (1), SMT portfolio (2).
 
 An obligation is a list of equations ``lhs[i] == rhs[i]``. Tier 0 proves the
-equations whose normal forms agree; tier 1 looks for a point where one of the
+equations whose two sides are the very same (interned) term — by reflexivity,
+method ``identical`` (a stage whose like terms were collected, such as the
+loss summed over a whole batch in two associations) — and those whose normal
+forms agree; tier 1 looks for a point where one of the
 rest fails (a counterexample at once); tier 2 races the solvers on each
 equation still open, with the ground lemmas the normaliser can state (each
 exp / log application equals its normal form). The verdict is `proved` only when every equation was
@@ -59,6 +62,10 @@ def solve(lhs: Sequence[Term], rhs: Sequence[Term], budget: Budget = Budget()) -
     methods: set[str] = set()
     tier = 0
     if 0 in budget.tiers:
+        same = [i for i in open_ if lhs[i] is rhs[i]]
+        if same:
+            methods.add("identical")
+            open_ = [i for i in open_ if lhs[i] is not rhs[i]]
         norm = Normaliser()
         still = []
         for i in open_:

@@ -69,6 +69,10 @@ EXPAND_GROWTH, EXPAND_SLACK = 3, 1000      # stop unfolding past 3x the formula'
 # a stage formula larger than this is not formed (keying, unfolding and solving it would take minutes): its
 # stage is unknown, with the reason. The largest stage of the CI grid plans has ~5,000 nodes.
 MAX_STAGE_NODES = 250_000
+# a formula larger than this gets its like terms collected first (`collect`): a sum over a whole batch's samples
+# in two associations (the loss over dp x tp) becomes one term on both sides, proved by reflexivity, instead of
+# a 230,000-node equation z3 takes seconds on. The largest stage of the CI grid plans has ~5,000 nodes.
+COLLECT_NODES = 10_000
 UNCUT_DEFERRED = frozenset({Op.MM, Op.BMM})     # ops no claim cuts that are built only when read (`_deferred`)
 
 
@@ -1041,7 +1045,7 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
         else:
             rhs = [rhs[idx] for idx in np.ndindex(claim.shape)]
         nodes = _size(lhs + rhs)
-        if nodes > MAX_STAGE_NODES:
+        if nodes > min(COLLECT_NODES, MAX_STAGE_NODES):
             # like terms collected: a sum of every part of a partial claim (a dp all-reduce, then a tp
             # sum) is the claimed tensor, since its last part is the tensor minus the others
             memo = {}
