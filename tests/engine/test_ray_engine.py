@@ -4,7 +4,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 
 from tv_ray import api

@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 
 from tv_ray.api import verify
-from tv_ray.cli import build_parser, main
+from tv_ray.cli import main
 from tv_ray.errors import ParallelConfigError
 from tv_ray.ir import Graph, Node
 from tv_ray.plan import Plan

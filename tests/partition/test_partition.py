@@ -1,5 +1,4 @@
 """Claims, stages and keys on a real plan: every stage of a correct plan is closed, keys deduplicate slots."""
-import numpy as np
 import pytest
 
 from tv_ray.terms.atom import Atom

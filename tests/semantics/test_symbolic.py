@@ -1,7 +1,6 @@
 """The symbolic rules agree with the concrete ones: every node of real training steps, evaluated as terms
 at the concrete inputs, gives the concrete value (so the two domains are one semantics)."""
 import math
-from fractions import Fraction
 
 import numpy as np
 import pytest

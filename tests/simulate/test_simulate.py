@@ -1,7 +1,7 @@
 """The concrete simulator: correct plans agree with the logical step; planted bugs are named."""
 import pytest
 
-from plan.mlp_plans import dp_plan, mutated, pp_plan, pp_stage0, tp_plan, zero_plan
+from plan.mlp_plans import dp_plan, mutated, pp_plan, tp_plan, zero_plan
 from tv_ray.errors import PlanError, SimulationError
 from tv_ray.plan import Plan
 from tv_ray.simulate import simulate

@@ -8,7 +8,6 @@ rhs the logical side; expect is
 """
 from __future__ import annotations
 
-from fractions import Fraction
 
 from tv_ray.terms import add, app, const, div, exp, log, max_, mul, sub, sum_, var
 
