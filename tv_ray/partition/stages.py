@@ -125,6 +125,7 @@ class Partition:
     renamed: int = 0                # ops of microbatches k > 0 taken as microbatch 0's renamed, never evaluated
     stood_in: int = 0               # mirrored ranks never stepped (`tv_ray.partition.standins`)
     _firsts: CopyIndex | None = field(default=None, repr=False)   # the microbatch copies on their own ranks, by id
+    _reps: dict = field(default_factory=dict, repr=False)          # a stage's ranks -> its representative's
 
     @property
     def copies(self) -> int:
@@ -178,9 +179,14 @@ class Partition:
         """The recorded stage (or boundary input) a copy's id stands for — a mirrored rank's stage or input its
         representative's, a microbatch copy microbatch 0's —; else `cid`."""
         if self.mirrors is not None:
-            blocks = {self.mirrors.block[r] for r in cid.ranks}
-            if len(blocks) == 1 and all(r in self.mirrors.rep for r in cid.ranks):
-                cid = self.mirrors.rename_id(cid, blocks.pop())
+            ranks = self._reps.get(cid.ranks)
+            if ranks is None:       # by the ranks alone (a group's are hundreds, read by many stages): once each
+                blocks = {self.mirrors.block[r] for r in cid.ranks}
+                ranks = self._reps[cid.ranks] = \
+                    self.mirrors.rename_id(cid, blocks.pop()).ranks \
+                    if len(blocks) == 1 and all(r in self.mirrors.rep for r in cid.ranks) else cid.ranks
+            if ranks is not cid.ranks:
+                cid = StageId(cid.kind, ranks, cid.tensor)
         if self.shifts is None:
             return cid
         if self._firsts is None:
