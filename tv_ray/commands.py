@@ -228,9 +228,9 @@ def _resume_hint(out: str | None) -> None:
 
 def _stop_ray(wait_s: float = STOP_S) -> bool:
     """Stop the Ray this process started (its dashboard and agents go with it), if it started one; a cluster
-    it joined keeps running. False when Ray's shutdown did not end within `wait_s` — a local Ray interrupted half
-    started, whose GCS never answers, keeps Ray's driver waiting up to its reconnect limit (`DRIVER_RECONNECT_S`,
-    ten minutes) —: then this process's own processes (that Ray's) are killed, and the caller ends at once
+    it joined keeps running. False when Ray's shutdown did not end within `wait_s` (a local Ray interrupted half
+    started, whose GCS never answers, keeps Ray's driver waiting up to its reconnect limit, `DRIVER_RECONNECT_S`:
+    ten minutes); then every process below this one (that Ray's) is killed, and the caller must end at once
     (`os._exit`), for Ray's exit hook would wait again."""
     ray = sys.modules.get("ray")
     if ray is None:
@@ -256,12 +256,12 @@ def _shutdown(ray) -> None:
 
 
 def _descendants(pid: int) -> list[int]:
-    """The processes below `pid` (Linux: read from /proc), children first."""
+    """The processes below `pid` (Linux: read from /proc), each before its own children."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                # the parent is the 4th field after the command in parentheses, which may hold spaces
+                # the parent is the second field after the command in parentheses (which may hold spaces)
                 ppid = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
             except (OSError, ValueError, IndexError):
                 continue

@@ -1109,27 +1109,28 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
             stages = CopyIndex(self.obligations, self.shifts, at, ks)
             resolved: dict[tuple[int, int], tuple[int, int]] = {}
             for i in unknown.tolist():
-                key = int(self.mirrored[int(ranks[i])]), int(pcs[i])
+                rank, pc = int(ranks[i]), int(pcs[i])
+                key = self.mirrored[rank], pc
                 found = resolved.get(key)
                 if found is None:
-                    found = self._resolve(int(ranks[i]), key[1], stages)
-                    if not self.claims[key[0], self.ranks[key[0]].program.nodes[key[1]].name].partial:
-                        resolved[key] = found      # a partial claim's stage depends on the mirror's group
+                    found, partial = self._resolve(rank, pc, stages)
+                    if not partial:         # a partial claim's stage depends on the mirror's own group
+                        resolved[key] = found
                 reps[i], mbs[i] = found
         return np.concatenate([own, ranks]), np.concatenate([at, reps]), np.concatenate([ks, mbs])
 
-    def _resolve(self, rank: int, pc: int, stages: CopyIndex) -> tuple[int, int]:
-        """(the recorded stage, microbatch) a stepped mirror's stage at op `pc` copies: its representative's, or for
-        a partial claim that of the group of images of the rank's own group."""
+    def _resolve(self, rank: int, pc: int, stages: CopyIndex) -> tuple[tuple[int, int], tuple[str, ...]]:
+        """(the recorded stage, microbatch) a stepped mirror's stage at op `pc` copies — its representative's, or
+        for a partial claim that of the group of images of the rank's own group —, and the claim's partial axes."""
         node = self.ranks[rank].program.nodes[pc]
         k = self.mirrors.block[rank]
-        members = self.members(rank, self.claims[self.mirrored[rank], node.name].partial)
-        rep = StageId.group(tuple(self.mirrors.image[k][m] for m in members), node.name)
+        partial = self.claims[self.mirrored[rank], node.name].partial
+        rep = StageId.group(tuple(self.mirrors.image[k][m] for m in self.members(rank, partial)), node.name)
         found = stages.find(rep)
         if found is None:
             raise Asymmetric(f"{self.plan.describe(rank)} {node.name} mirrors stage {rep}, which no "
                              f"representative recorded")
-        return found
+        return found, partial
 
 
 @cache
