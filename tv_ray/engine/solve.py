@@ -62,10 +62,9 @@ def solve(lhs: Sequence[Term], rhs: Sequence[Term], budget: Budget = Budget()) -
     methods: set[str] = set()
     tier = 0
     if 0 in budget.tiers:
-        same = [i for i in open_ if lhs[i] is rhs[i]]
-        if same:
+        open_ = [i for i in open_ if lhs[i] is not rhs[i]]
+        if len(open_) < len(lhs):
             methods.add("identical")
-            open_ = [i for i in open_ if lhs[i] is not rhs[i]]
         norm = Normaliser()
         still = []
         for i in open_:

@@ -251,36 +251,33 @@ class Renamed:
         reads = self._reads(state, node)
         cid = StageId("r", (rank,), node.name)
         self.sources[rank, node.name] = frozenset({cid})
-        self._append_moved(at, k, cid, (rank,), state, node, claim, reads, (mine, moved))
+        self._append_moved(at, k, cid, (rank,), state, node, claim, reads)
         self.renamed += 1
         self._copy_mirrors(state)
         first = self._conts.get(rank, {}).get(place(mine))      # what `_continuation` continues from
         self._passed(state, node, Moved(first, k) if first is not None else self._continuation(rank, claim))
         return True
 
-    def _append_moved(self, at: int, k: int, cid, members, state, node, claim, reads, moved=(None, None)) -> None:
+    def _append_moved(self, at: int, k: int, cid, members, state, node, claim, reads) -> None:
         """The stage of microbatch k that is recorded stage `at` (microbatch 0's) renamed: kept as a microbatch copy
-        (`Shifts`) where that expansion is exactly the stage, else recorded with that stage's key. `moved`: a claim
-        and its move to block k, made already."""
+        (`Shifts`) where that expansion is exactly the stage, else recorded with that stage's key."""
         self.moved += 1
         first = self.obligations[at]
-        if self._expands_to(first, k, cid, members, state, node, claim, reads, moved):
+        if self._expands_to(first, k, cid, members, state, node, claim, reads):
             self.shifted[0].append(at)
             self.shifted[1].append(k)
             self._latest = (at, k)
         else:
             self._append(cid, members, state, node, claim, first.key, reads)
 
-    def _expands_to(self, first, k: int, cid, members, state, node, claim, reads, moved=(None, None)) -> bool:
+    def _expands_to(self, first, k: int, cid, members, state, node, claim, reads) -> bool:
         """Is `Shifts.shift(first, k)` (its position aside) exactly the stage `_obligation` records here? Field by
         field, without building either: id, ranks, program, claim, reads (the same ones, none twice), what the op is
-        (kind, module, phase, what it realises, its microbatch k), no notes — the key is `first`'s either way.
-        `moved`: (a claim, it moved to block k), taken when the claim is `first`'s."""
+        (kind, module, phase, what it realises, its microbatch k), no notes — the key is `first`'s either way."""
         shifts = self.shifts
         if first.ranks != members or first.program != state.name or first.notes or \
                 self._info_of(node) != (first.op, first.module, first.phase, first.realises, k) or \
-                shifts.rename_id(first.id, k) != cid or \
-                (moved[1] if moved[0] is first.claim else shifts.blocks.move(first.claim, k)) != claim:
+                shifts.rename_id(first.id, k) != cid or shifts.blocks.move(first.claim, k) != claim:
             return False
         renamed = [shifts.rename_id(r, k) for r in first.reads]
         return len(renamed) == len(reads) and set(renamed) == reads

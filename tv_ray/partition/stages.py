@@ -124,7 +124,7 @@ class Partition:
     templated: int = 0              # stages keyed from their template, their terms never built
     renamed: int = 0                # ops of microbatches k > 0 taken as microbatch 0's renamed, never evaluated
     stood_in: int = 0               # mirrored ranks never stepped (`tv_ray.partition.standins`)
-    _firsts: CopyIndex | None = field(default=None, repr=False)   # the microbatch copies on their own ranks, by id
+    _copy_index: CopyIndex | None = field(default=None, repr=False)   # the microbatch copies on their own ranks, by id
     _reps: dict = field(default_factory=dict, repr=False)          # a stage's ranks -> its representative's
 
     @property
@@ -189,11 +189,11 @@ class Partition:
                 cid = StageId(cid.kind, ranks, cid.tensor)
         if self.shifts is None:
             return cid
-        if self._firsts is None:
+        if self._copy_index is None:
             # a microbatch copy's id is its recorded stage's renamed (`Shifts.shift`): found without expanding it
             rows = self._microbatch_copy_rows()
-            self._firsts = CopyIndex(self.obligations, self.shifts, self.copy_of[rows], self.copy_mb[rows])
-        found = self._firsts.find(cid)
+            self._copy_index = CopyIndex(self.obligations, self.shifts, self.copy_of[rows], self.copy_mb[rows])
+        found = self._copy_index.find(cid)
         return cid if found is None else self.obligations[found[0]].id
 
     def every(self) -> Iterator[Obligation]:
@@ -581,7 +581,7 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
         part ≡ c₀ (block 0's contribution, this stage's obligation) gives σₖ(part) ≡ σₖ(c₀) = cₖ, and Σₖ cₖ
         over [0, width) is the claim's value (`LogicalTerms.contribution_of`). One σₖ serves every member."""
         if self.moves is None or claim.logical not in self.logical.contributions or not values or \
-                not all(isinstance(v, Accumulated) and v.ks == _first(width) for v in values):
+                not all(isinstance(v, Accumulated) and v.ks == _blocks_below(width) for v in values):
             return None
         self.accumulated += 1
         return values
@@ -1134,7 +1134,7 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
 
 
 @cache
-def _first(width: int) -> frozenset[int]:
+def _blocks_below(width: int) -> frozenset[int]:
     """Blocks [0, width) (built once: a 405B plan asks for its 1,024 blocks at every stage)."""
     return frozenset(range(width))
 
