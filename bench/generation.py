@@ -33,10 +33,10 @@ def digest(part) -> str:
         h.update(f"{cid}|{row}\n".encode())
     if part.copies:
         rank_of = {cid: n for n, (cid, _) in enumerate(rows)}
-        rep = np.asarray([rank_of[o.id] for o in part.obligations], dtype=np.int64)[part.copy_of]
-        block = np.asarray([part.mirrors.block[r] if part.mirrors else 0 for r in part.copy_ranks.tolist()],
-                           dtype=np.int64)
-        mb = part.copy_mb.astype(np.int64)
+        ranks, of, mb = part.flat_copies()
+        rep = np.asarray([rank_of[o.id] for o in part.obligations], dtype=np.int64)[of]
+        block = np.asarray([part.mirrors.block[r] if part.mirrors else 0 for r in ranks.tolist()], dtype=np.int64)
+        mb = mb.astype(np.int64)
         h.update(np.sort((mb * (int(block.max()) + 1) + block) * len(rows) + rep).tobytes())
     return h.hexdigest()
 

@@ -126,12 +126,14 @@ def digests(part) -> dict:
         import numpy as np
         place = np.empty(len(stages), dtype=np.int64)
         place[order] = np.arange(len(stages))
-        ranks, of = part.copy_ranks.astype(np.int64), place[part.copy_of]
-        mbs = getattr(part, "copy_mb", np.zeros(len(ranks), dtype=np.int64)).astype(np.int64)   # (before /5: none)
+        # every stage of the map, whichever way a tree holds it (before /7: no fans; before /5: no microbatches)
+        ranks, of, mbs = part.flat_copies() if hasattr(part, "flat_copies") else \
+            (part.copy_ranks, part.copy_of, getattr(part, "copy_mb", np.zeros(len(part.copy_of), dtype=np.int64)))
+        ranks, of, mbs = ranks.astype(np.int64), place[of], mbs.astype(np.int64)
         order = np.lexsort((mbs, ranks, of))
         out["copies_digest"] = hashlib.sha256(np.stack([ranks[order], of[order], mbs[order]]).tobytes()).hexdigest()
         for h in (keyed, bare):
-            h.update(f"copies {len(part.copy_of)}\n".encode())
+            h.update(f"copies {len(of)}\n".encode())
     return {"digest": keyed.hexdigest(), "stages_digest": bare.hexdigest(), **out}
 
 

@@ -109,12 +109,14 @@ def test_mirrored_and_microbatch_stages_are_an_instantiation_map_of_the_recorded
     manifest = json.loads((cert / "certificate.json").read_text())
     recorded, instances = pq.read_table(cert / "obligations.parquet"), pq.read_table(cert / "instances.parquet")
     assert recorded.num_rows == manifest["obligations"]["rows"] and instances.num_rows == manifest["instances"]["rows"]
-    assert recorded.num_rows + instances.num_rows == manifest["counts"]["obligations"]
-    ranks, mbs = instances.column("rank").to_pylist(), instances.column("microbatch").to_pylist()
-    assert ranks.count(1) == manifest["symmetry"]["mirrored"] > recorded.num_rows / 2   # dp=2: rank 1 mirrors rank 0
-    # rank 0's: its stages of microbatch 1, kept as microbatch 0's renamed (rank 1 mirrors those too)
-    assert {m for r, m in zip(ranks, mbs) if r == 0} == {1} and ranks.count(0) > recorded.num_rows / 3
-    assert {m for r, m in zip(ranks, mbs) if r == 1} == {0, 1}
+    assert recorded.num_rows + manifest["instances"]["stages"] == manifest["counts"]["obligations"]
+    ranks, mbs, fans = (instances.column(c).to_pylist() for c in ("rank", "microbatch", "mirrors"))
+    # dp=2: rank 1 mirrors rank 0, each of its stages in a fan of rank 0's (one mirror: one stage a row)
+    assert set(ranks) == {0} and manifest["instances"]["stages"] == instances.num_rows
+    assert sum(fans) == manifest["symmetry"]["mirrored"] > recorded.num_rows / 2
+    # rank 0's own: its stages of microbatch 1, kept as microbatch 0's renamed (rank 1 mirrors those too)
+    assert {m for m, f in zip(mbs, fans) if not f} == {1} and fans.count(False) > recorded.num_rows / 3
+    assert {m for m, f in zip(mbs, fans) if f} == {0, 1}
 
 
 def test_an_instance_changed_without_its_hash_fails(cert):
@@ -134,10 +136,30 @@ def test_an_instance_renaming_another_stage_is_named(cert):
     _rewrite(cert, shift, refresh_hashes=True, name="instances")
     with pytest.raises(CertificateError) as err:
         check_certificate(cert, sample=1)
-    rank, mb = (pq.read_table(cert / "instances.parquet").column(c)[4].as_py() for c in ("rank", "microbatch"))
-    assert str(err.value) == (f"instances.parquet: row 5 renames stage row {original + 2} to rank {rank}, microbatch "
-                              f"{mb}, where the plan's stage 5 not recorded is stage {ids[original]} renamed to rank "
-                              f"{rank}, microbatch {mb}")
+    rank, mb, fan = (pq.read_table(cert / "instances.parquet").column(c)[4].as_py()
+                     for c in ("rank", "microbatch", "mirrors"))
+    whose = f"each mirror of rank {rank}" if fan else f"rank {rank}"
+    assert str(err.value) == (f"instances.parquet: row 5 renames stage row {original + 2} to {whose}, microbatch "
+                              f"{mb}, where the plan's row 5 of stages not recorded is stage {ids[original]} renamed "
+                              f"to {whose}, microbatch {mb}")
+
+
+def test_a_fan_made_one_stage_is_named(cert):
+    table = pq.read_table(cert / "instances.parquet")
+    row = table.column("mirrors").to_pylist().index(True)
+    stage, rank, mb = (table.column(c)[row].as_py() for c in ("stage", "rank", "microbatch"))
+    ids = pq.read_table(cert / "obligations.parquet").column("id").to_pylist()
+
+    def unfan(table):
+        fans = table.column("mirrors").to_pylist()
+        fans[row] = False
+        return table.set_column(3, "mirrors", pa.array(fans, pa.bool_()))
+    _rewrite(cert, unfan, refresh_hashes=True, name="instances")
+    with pytest.raises(CertificateError) as err:
+        check_certificate(cert, sample=1)
+    assert str(err.value) == (f"instances.parquet: row {row + 1} renames stage row {stage + 1} to rank {rank}, "
+                              f"microbatch {mb}, where the plan's row {row + 1} of stages not recorded is stage "
+                              f"{ids[stage]} renamed to each mirror of rank {rank}, microbatch {mb}")
 
 
 def test_an_instance_moved_to_another_microbatch_is_named(cert, monkeypatch):
@@ -146,7 +168,8 @@ def test_an_instance_moved_to_another_microbatch_is_named(cert, monkeypatch):
     table = pq.read_table(cert / "instances.parquet")
     row = max(i for i, mb in enumerate(table.column("microbatch").to_pylist()) if mb == 1)
     assert row > 3                                                # not in the first batch
-    stage, rank = table.column("stage")[row].as_py(), table.column("rank")[row].as_py()
+    stage, rank, fan = (table.column(c)[row].as_py() for c in ("stage", "rank", "mirrors"))
+    whose = f"each mirror of rank {rank}" if fan else f"rank {rank}"
     ids = pq.read_table(cert / "obligations.parquet").column("id").to_pylist()
 
     def unmove(table):
@@ -156,9 +179,9 @@ def test_an_instance_moved_to_another_microbatch_is_named(cert, monkeypatch):
     _rewrite(cert, unmove, refresh_hashes=True, name="instances")
     with pytest.raises(CertificateError) as err:
         check_certificate(cert, sample=1)
-    assert str(err.value) == (f"instances.parquet: row {row + 1} renames stage row {stage + 1} to rank {rank}, "
-                              f"microbatch 0, where the plan's stage {row + 1} not recorded is stage {ids[stage]} "
-                              f"renamed to rank {rank}, microbatch 1")
+    assert str(err.value) == (f"instances.parquet: row {row + 1} renames stage row {stage + 1} to {whose}, "
+                              f"microbatch 0, where the plan's row {row + 1} of stages not recorded is stage "
+                              f"{ids[stage]} renamed to {whose}, microbatch 1")
 
 
 def test_a_dropped_instance_is_counted(cert):
@@ -166,7 +189,7 @@ def test_a_dropped_instance_is_counted(cert):
     _rewrite(cert, lambda t: t.slice(1), refresh_hashes=True, name="instances")
     with pytest.raises(CertificateError) as err:
         check_certificate(cert, sample=1)
-    assert str(err.value) == f"instances.parquet: {n - 1:,} stages where the plan has {n:,} not recorded"
+    assert str(err.value) == f"instances.parquet: {n - 1:,} rows where the plan's stages not recorded are {n:,}"
 
 
 def test_a_plan_edited_after_verification_fails(cert):
@@ -194,7 +217,7 @@ def test_a_certificate_of_the_previous_format_is_named_as_such(cert):
     with pytest.raises(CertificateError) as err:
         check_certificate(cert, sample=1)
     assert str(err.value) == (f"{cert / 'certificate.json'}: format 'tv-ray-certificate/3', expected "
-                              f"'tv-ray-certificate/6' (another tv_ray version's keys and stages: verify the plan "
+                              f"'tv-ray-certificate/7' (another tv_ray version's keys and stages: verify the plan "
                               f"again with this one)")
 
 

@@ -13,6 +13,10 @@ from tv_ray.partition.derive import claims_for
 from tv_ray.engine.executor import LocalExecutor
 from tv_ray.partition.generate import Renamings, merge, partition, pipeline_shards, run_shards
 from tv_ray.errors import Unshardable
+from tv_ray.partition.lazy import Continued
+from tv_ray.partition.logical import LogicalTerms
+from tv_ray.partition.microbatches import place
+from tv_ray.partition.stages import fingerprint
 from tv_ray.partition.symmetry import find_mirrors, microbatch_moves
 from tv_ray.reduce import reduce_plan
 
@@ -68,6 +72,7 @@ def test_a_sent_value_unlike_what_its_receiver_rebuilt_is_refused(pipelined):
     runs = run_shards(plan, dims, claims, Renamings(found, moves, moves.blocks), pipeline_shards(plan, claims))
     where = min(runs[0].sent)
     assert where == (0, 4, 16, 0) and runs[0].sent[where] == runs[1].assumed[where]
+    assert runs[0].sent[where][1][0] == "continued"      # by its claim (`_recipe`): its terms never digested
     runs[0].sent[where] = ("terms", ((1,), "0" * 64), ())
     with pytest.raises(Unshardable, match=r"^send #1 from rank 0 to rank 4 \(tag 16\) is not the continuation "
                                           r"of its claim that the receiving shard rebuilt$"):
@@ -76,6 +81,22 @@ def test_a_sent_value_unlike_what_its_receiver_rebuilt_is_refused(pipelined):
     with pytest.raises(Unshardable, match=r"^send #1 from rank 0 to rank 4 \(tag 16\) was received but never "
                                           r"sent$"):
         merge(runs)
+
+
+def test_a_continuation_is_fingerprinted_by_its_claim_and_anything_else_by_its_terms(pipelined):
+    plan, dims, claims = pipelined
+    logical = LogicalTerms.build(plan.logical, dims)
+    whole = [c for c in claims.values() if not c.partial and c.shape]
+    claim, other = whole[0], next(c for c in whole if place(c) != place(whole[0]))
+    lazy, built = Continued(logical, claim), Continued(logical, claim)
+    terms = built.terms()
+    assert fingerprint(lazy, {"b", "a"}) == fingerprint(built, {"a", "b"}) == \
+        ("terms", ("continued", place(claim)), ("a", "b"))
+    assert fingerprint(Continued(logical, other), ()) != fingerprint(lazy, ())
+    # the same terms as an array: a digest of them, equal for equal terms, unlike the recipe (a kind of its own)
+    digest = fingerprint(terms, ())
+    assert digest == fingerprint(terms.copy(), ()) != fingerprint(lazy, ())
+    assert digest != fingerprint(Continued(logical, other).terms(), ())
 
 
 def test_a_collective_across_pipeline_stages_keeps_the_run_whole(pipelined):

@@ -96,7 +96,16 @@ def test_mirrored_ranks_give_the_same_stages_as_running_every_rank(dp4):
     plan, dims, claims = dp4
     full, mirrored = partition(plan, dims, claims, symmetry=False), partition(plan, dims, claims)
     assert mirrored.symmetry == [] and mirrored.mirrored > 2000
-    assert mirrored.mirrored == sum(int(r) in mirrored.mirrors.rep for r in mirrored.copy_ranks)
+    ranks = mirrored.flat_copies()[0]
+    assert mirrored.mirrored == sum(int(r) in mirrored.mirrors.rep for r in ranks) == len(ranks)
+    # one row of the instantiation map per representative's cut, standing for its 3 mirrors' stages
+    assert mirrored.copy_fan.all() and mirrored.copies == 3 * len(mirrored.copy_of)
+    rep = int(mirrored.copy_ranks[0])
+    for rank in (None, rep):        # a fan's stage is a mirror's: which one must be named
+        with pytest.raises(ValueError) as err:
+            mirrored.copy(0, rank)
+        assert str(err.value) == f"row 0 of the instantiation map is a fan of rank {rep}'s mirrors " \
+                                 f"{list(mirrored.mirrors.of(rep))}, not {rank}"
     everyone = list(mirrored.every())
     assert mirrored.size == len(everyone) == len(full.obligations)
     assert sorted((o.id, o.ranks, o.claim, o.reads) for o in full.obligations) == \

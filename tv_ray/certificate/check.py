@@ -180,31 +180,35 @@ def _compare(part, table: Path, advance: Callable[[int], object] = lambda n: Non
 
 def _compare_instances(part, table: Path) -> int:
     """The instantiation map against the plan's stages not recorded (each a recorded stage moved to a microbatch
-    and a dp rank's block, re-derived here), a record batch at a time (llama3-405b's map has 176 M rows); raises
-    naming the first row that differs. The number of rows."""
+    and a dp rank's block, or a fan of one to each mirror of a representative, re-derived here), a record batch
+    at a time; raises naming the first row that differs. The number of stages its rows stand for."""
     got = pq.ParquetFile(table)
-    columns = ["rank", "stage", "microbatch"]
+    columns = ["rank", "stage", "microbatch", "mirrors"]
     if got.schema_arrow.names != columns:
         raise CertificateError(f"{INSTANCES}: columns {got.schema_arrow.names}, expected {columns}")
-    if got.metadata.num_rows != part.copies:
-        raise CertificateError(f"{INSTANCES}: {got.metadata.num_rows:,} stages where the plan has {part.copies:,} "
-                               f"not recorded")
+    if got.metadata.num_rows != len(part.copy_of):
+        raise CertificateError(f"{INSTANCES}: {got.metadata.num_rows:,} rows where the plan's stages not recorded "
+                               f"are {len(part.copy_of):,}")
     start = 0
     for batch in got.iter_batches(batch_size=ROWS_AT_ONCE):
-        ranks, stages, mbs = (batch.column(c).to_numpy() for c in columns)
+        ranks, stages, mbs, fans = (batch.column(c).to_numpy(zero_copy_only=False) for c in columns)
         end = start + len(ranks)
         wrong = np.flatnonzero((ranks != part.copy_ranks[start:end]) | (stages != part.copy_of[start:end]) |
-                               (mbs != part.copy_mb[start:end]))
+                               (mbs != part.copy_mb[start:end]) | (fans != part.copy_fan[start:end]))
         if len(wrong):
             j = int(wrong[0])
             i = start + j
             stage = part.obligations[int(part.copy_of[i])]
-            raise CertificateError(f"{INSTANCES}: row {i + 1} renames stage row {int(stages[j]) + 1} to rank "
-                                   f"{int(ranks[j])}, microbatch {int(mbs[j])}, where the plan's stage {i + 1} not "
-                                   f"recorded is stage {stage.id} renamed to rank {int(part.copy_ranks[i])}, "
-                                   f"microbatch {int(part.copy_mb[i])}")
+            raise CertificateError(f"{INSTANCES}: row {i + 1} renames stage row {int(stages[j]) + 1} to "
+                                   f"{_whose(ranks[j], fans[j])}, microbatch {int(mbs[j])}, where the plan's row "
+                                   f"{i + 1} of stages not recorded is stage {stage.id} renamed to "
+                                   f"{_whose(part.copy_ranks[i], part.copy_fan[i])}, microbatch {int(part.copy_mb[i])}")
         start = end
-    return start
+    return part.copies
+
+
+def _whose(rank, fan) -> str:
+    return f"each mirror of rank {int(rank)}" if fan else f"rank {int(rank)}"
 
 
 def check_certificate(out: str | Path, sample: int | None = None, solvers: tuple[str, ...] = ("z3", "yices"),

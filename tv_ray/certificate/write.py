@@ -18,9 +18,12 @@ Files under OUT:
   recorded (`Partition.copy`), with the row of the recorded stage it
   renames, the microbatch it moves that stage to (0: its own; a stage of
   microbatch k kept as microbatch 0's renamed) and the rank whose stage it
-  is (a mirrored dp rank: moved to its dp block). Its id, slot and reads are
-  the recorded stage's renamed so; its key and verdict are that stage's.
-  Millions of such stages are three small integer columns;
+  is (a mirrored dp rank: moved to its dp block) — or, where ``mirrors`` is
+  true, one such stage for each mirror of that (representative) rank, in
+  rank order: every mirror's copy of a representative's stage is one row,
+  not the dp size's. Its id, slot and reads are the recorded stage's renamed
+  so; its key and verdict are that stage's. Hundreds of millions of such
+  stages are four small columns of a few million rows;
 - ``plan.json.gz`` — the plan's bytes gzip-compressed (a copy of the plan
   file, or the plan built in the run), named by this relative path and its
   hash: the directory checks wherever it is moved.
@@ -42,11 +45,12 @@ from tv_ray.certificate.outcome import Outcome, Status
 from tv_ray.partition.dag import size as dag_size
 from tv_ray.plan import pack
 
+# /7: a row of the instantiation map may stand for each mirror of its rank (column mirrors);
 # /6: the plan inside gzip-compressed (plan.json.gz); /5: stages of microbatches k > 0 in the instantiation map
 # (column microbatch); /4: a stage of microbatch k paired with microbatch 0's takes its key
 # (`tv_ray.partition.microbatches`);
 # /3: recorded stages + the instantiation map; /2: keys in logical order, templates
-FORMAT = "tv-ray-certificate/6"
+FORMAT = "tv-ray-certificate/7"
 MANIFEST = "certificate.json"
 TABLE = "obligations.parquet"
 INSTANCES = "instances.parquet"
@@ -94,7 +98,8 @@ SCHEMA = pa.schema([("id", pa.string()), ("stage", pa.string()), ("slot", pa.str
 ROWS = 1 << 16                  # obligations per record batch (one range of stages)
 
 
-INSTANCE_SCHEMA = pa.schema([("rank", pa.int32()), ("stage", pa.int32()), ("microbatch", pa.int32())])
+INSTANCE_SCHEMA = pa.schema([("rank", pa.int32()), ("stage", pa.int32()), ("microbatch", pa.int32()),
+                             ("mirrors", pa.bool_())])
 
 
 def write_tables(outcome: Outcome, out: str | Path, rows: int = ROWS) -> None:
@@ -106,12 +111,13 @@ def write_tables(outcome: Outcome, out: str | Path, rows: int = ROWS) -> None:
         first: set[str] = set()
         for start in range(0, len(part.obligations), rows):
             writer.write_batch(_batch(part.obligations[start:start + rows], outcome.verdicts, first))
-    # runs of one rank, microbatch and consecutive stages: delta-encoded (llama3-405b's 176 M rows: 74.7 MB with
-    # dictionaries, 15.6 MB so)
+    # runs of one rank, microbatch and consecutive stages: delta-encoded (llama3-405b's 176 M rows, before fans:
+    # 74.7 MB with dictionaries, 15.6 MB so)
     pq.write_table(pa.table([pa.array(part.copy_ranks, pa.int32()), pa.array(part.copy_of, pa.int32()),
-                             pa.array(part.copy_mb, pa.int32())], schema=INSTANCE_SCHEMA), out / INSTANCES,
-                   compression="zstd", use_dictionary=False,
-                   column_encoding=dict.fromkeys(INSTANCE_SCHEMA.names, "DELTA_BINARY_PACKED"))
+                             pa.array(part.copy_mb, pa.int32()), pa.array(part.copy_fan, pa.bool_())],
+                            schema=INSTANCE_SCHEMA), out / INSTANCES, compression="zstd", use_dictionary=False,
+                   column_encoding={**dict.fromkeys(INSTANCE_SCHEMA.names[:3], "DELTA_BINARY_PACKED"),
+                                    "mirrors": "RLE"})
 
 
 def _batch(obligations, verdicts: dict, first: set[str] | None) -> pa.RecordBatch:
@@ -179,7 +185,8 @@ def write_certificate(outcome: Outcome, out: str | Path, plan_path: str | Path |
         "composition": {"checked": True, "problems": outcome.problems,
                         "outputs": sorted(name for name, _ in outcome.plan.logical.outputs)},
         "obligations": {"file": TABLE, "sha256": sha256_file(out / TABLE), "rows": len(part.obligations)},
-        "instances": {"file": INSTANCES, "sha256": sha256_file(out / INSTANCES), "rows": part.copies},
+        "instances": {"file": INSTANCES, "sha256": sha256_file(out / INSTANCES), "rows": len(part.copy_of),
+                      "stages": part.copies},
         "settings": settings,
         "phases_s": {k: round(v, 3) for k, v in outcome.phases.items()},
         "executor": outcome.executor,

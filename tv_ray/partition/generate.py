@@ -66,6 +66,7 @@ class ShardRun:
     copy_ranks: np.ndarray          # the instantiation map (`Partition.copy`)
     copy_of: np.ndarray             # index into this shard's `obligations`
     copy_mb: np.ndarray
+    copy_fan: np.ndarray
     boundary: dict[str, Claim]
     notes: list[str]
     moved: int
@@ -183,10 +184,11 @@ def _run_shards(plan, dims, claims, renamings: Renamings, shards, logical, bar) 
     out = []
     for owned in shards:
         run = renamings.run(plan, dims, logical, claims, bar, owned, seen)
-        ranks, reps, mbs = run.resolve_copies()
-        out.append(ShardRun(run.obligations, run.formulas, ranks, reps, mbs, run.boundary,
+        out.append(ShardRun(run.obligations, run.formulas, *run.resolve_copies(), run.boundary,
                             run.notes + _incomplete(run.pending), run.moved, run.accumulated, run.sent, run.assumed,
                             run.unformed, run.templated, run.renamed, run.shifts))
+        # what the run held besides (values, memos, ranks), cycles and all: the collector is paused
+        run.__dict__.clear()
     return out
 
 
@@ -219,7 +221,8 @@ def merge(runs: list[ShardRun], mirrors: Mirrors | None = None, symmetry: list[s
             formulas.setdefault(key, sides)
     copies = (np.concatenate([run.copy_ranks for run in runs]).astype(np.int32),
               np.concatenate([where[s][run.copy_of] for s, run in enumerate(runs)]).astype(np.int32),
-              np.concatenate([run.copy_mb for run in runs]).astype(np.int32))
+              np.concatenate([run.copy_mb for run in runs]).astype(np.int32),
+              np.concatenate([run.copy_fan for run in runs]).astype(bool))
     part = _assemble(obligations, {cid: c for run in runs for cid, c in run.boundary.items()},
                      [note for run in runs for note in run.notes], formulas, symmetry or [], copies, mirrors,
                      sum(r.moved for r in runs), sum(r.accumulated for r in runs),

@@ -111,11 +111,13 @@ class Partition:
     formulas: dict[str, tuple[list[Term], list[Term]]] = field(default_factory=dict)
     symmetry: list[str] = field(default_factory=list)     # why ranks were not mirrored, if any
     unformed: dict[str, str] = field(default_factory=dict)   # key -> why the stage's formula was not formed
-    # the instantiation map: each stage not recorded as the recorded stage `copy_of` moved to microbatch `copy_mb`
-    # (0: its own) and to rank `copy_ranks`' dp block (`copy`)
+    # the instantiation map: each row a stage not recorded — the recorded stage `copy_of` moved to microbatch
+    # `copy_mb` (0: its own) and to rank `copy_ranks`' dp block (`copy`) — or, a fan (`copy_fan`), one such
+    # stage for each mirror of representative `copy_ranks` (one row for the dp size's stages)
     copy_ranks: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     copy_of: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     copy_mb: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    copy_fan: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     mirrors: "Mirrors | None" = None
     shifts: "Shifts | None" = None
     moved: int = 0                  # recorded stages of microbatches k > 0 taken from microbatch 0's (one key)
@@ -126,32 +128,51 @@ class Partition:
     stood_in: int = 0               # mirrored ranks never stepped (`tv_ray.partition.standins`)
     _copy_index: CopyIndex | None = field(default=None, repr=False)   # the microbatch copies on their own ranks, by id
     _reps: dict = field(default_factory=dict, repr=False)          # a stage's ranks -> its representative's
+    _widths: np.ndarray | None = field(default=None, repr=False)   # the stages each row of the map stands for
 
     @property
     def copies(self) -> int:
         """Stages held as a recorded stage renamed (the instantiation map), not as `Obligation`s."""
-        return len(self.copy_of)
+        return int(self.widths().sum())
+
+    def widths(self) -> np.ndarray:
+        """How many stages each row of the instantiation map stands for: a fan its rank's mirrors, any other one."""
+        if self._widths is None:
+            self._widths = np.ones(len(self.copy_of), dtype=np.int64)
+            fans = np.flatnonzero(self.copy_fan)
+            if len(fans):
+                mirrors = np.zeros(int(self.copy_ranks[fans].max()) + 1, dtype=np.int64)
+                for rank in np.unique(self.copy_ranks[fans]).tolist():
+                    mirrors[rank] = len(self.mirrors.of(rank))
+                self._widths[fans] = mirrors[self.copy_ranks[fans]]
+        return self._widths
 
     @property
     def mirrored(self) -> int:
         """Stages of mirrored dp ranks (a representative's stage, moved to their blocks)."""
-        return int(self._of_mirrors().sum()) if self.mirrors else 0
+        return int(self.widths()[self._of_mirrors()].sum()) if self.mirrors else 0
 
     def _of_mirrors(self) -> np.ndarray:
-        """Which stages of the instantiation map are on a mirrored rank (by a table of ranks: `np.isin` sorts
-        every copy)."""
+        """Which rows of the instantiation map are of mirrored ranks: the fans, and the rows of stepped mirrors
+        (by a table of ranks: `np.isin` sorts every row)."""
         table = np.zeros(max(max(self.mirrors.rep, default=0), int(self.copy_ranks.max(initial=0))) + 1, dtype=bool)
         table[list(self.mirrors.rep)] = True
-        return table[self.copy_ranks]
+        return table[self.copy_ranks] | self.copy_fan
 
     @property
     def size(self) -> int:
         return len(self.obligations) + self.copies
 
-    def copy(self, i: int) -> Obligation:
-        """Stage i of the instantiation map, expanded: its recorded stage moved to its microbatch (`Shifts`), and
-        for a mirrored rank, with ranks, ids and samples moved to its dp block."""
-        rank, ob, mb = int(self.copy_ranks[i]), self.obligations[self.copy_of[i]], int(self.copy_mb[i])
+    def copy(self, i: int, rank: int | None = None) -> Obligation:
+        """A stage of row i of the instantiation map, expanded: its recorded stage moved to its microbatch
+        (`Shifts`), and for a mirrored rank, with ranks, ids and samples moved to its dp block — for a fan, the
+        stage of its mirror `rank`."""
+        ob, mb, own = self.obligations[self.copy_of[i]], int(self.copy_mb[i]), int(self.copy_ranks[i])
+        if bool(self.copy_fan[i]) != (rank is not None) or (rank is not None and rank not in self.mirrors.of(own)):
+            raise ValueError(f"row {i} of the instantiation map is " +
+                             (f"a fan of rank {own}'s mirrors {list(self.mirrors.of(own))}, not {rank}"
+                              if self.copy_fan[i] else f"rank {own}'s stage: no other rank to name ({rank})"))
+        rank = own if rank is None else rank
         if mb:
             ob = self.shifts.shift(ob, mb)
         if self.mirrors is None or rank not in self.mirrors.rep:
@@ -164,6 +185,24 @@ class Partition:
                           ob.phase,
                           ob.realises, ob.mb, ob.position, ob.notes)
 
+    def row(self, i: int) -> Iterator[Obligation]:
+        """The stages row i of the instantiation map stands for, expanded (`copy`)."""
+        if self.copy_fan[i]:
+            for rank in self.mirrors.of(int(self.copy_ranks[i])):
+                yield self.copy(i, rank)
+        else:
+            yield self.copy(i)
+
+    def flat_copies(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The instantiation map with each fan spread over its mirrors: (rank, recorded stage, microbatch) of every
+        stage not recorded, in order."""
+        widths = self.widths()
+        ranks = np.repeat(self.copy_ranks.astype(np.int64), widths)
+        fans = np.repeat(self.copy_fan, widths)
+        if fans.any():
+            ranks[fans] = np.concatenate([self.mirrors.of(int(r)) for r in self.copy_ranks[self.copy_fan].tolist()])
+        return ranks, np.repeat(self.copy_of, widths), np.repeat(self.copy_mb, widths)
+
     def microbatch_copies(self) -> Iterator[tuple[int, Obligation]]:
         """(recorded stage, the copy expanded) for each stage of a microbatch k > 0 kept as microbatch 0's renamed
         on its own rank."""
@@ -172,7 +211,7 @@ class Partition:
 
     def _microbatch_copy_rows(self) -> np.ndarray:
         """The rows of the instantiation map that `microbatch_copies` expands."""
-        own = ~self._of_mirrors() if self.mirrors else np.ones(self.copies, bool)
+        own = ~self._of_mirrors() if self.mirrors else np.ones(len(self.copy_of), bool)
         return np.flatnonzero(own & (self.copy_mb > 0))
 
     def representative(self, cid: StageId) -> StageId:
@@ -197,30 +236,45 @@ class Partition:
         return cid if found is None else self.obligations[found[0]].id
 
     def every(self) -> Iterator[Obligation]:
-        """Every stage: the recorded ones, then the instantiation map's expanded one at a time."""
+        """Every stage: the recorded ones, then the instantiation map's expanded one at a time (a fan's per mirror)."""
         yield from self.obligations
-        for i in range(self.copies):
-            yield self.copy(i)
+        for i in range(len(self.copy_of)):
+            yield from self.row(i)
 
     def key_counts(self) -> Counter:
         """How many stages carry each key."""
         counts = Counter(o.key for o in self.obligations)
-        for i, n in zip(*np.unique(self.copy_of, return_counts=True)):
-            counts[self.obligations[i].key] += int(n)
+        per_stage = np.bincount(self.copy_of, weights=self.widths(), minlength=len(self.obligations))
+        for i in np.flatnonzero(per_stage).tolist():
+            counts[self.obligations[i].key] += int(per_stage[i])
         return counts
 
 
 def fingerprint(value, reads) -> tuple:
     """What a value crossing shards is, comparable across processes: its kind (`Mirrored`, `Moved`, ...), shape,
-    the stages it was cut at, and a digest of its terms (variables by name)."""
+    the stages it was cut at, and what fixes its terms (`_recipe`)."""
     reads = tuple(sorted(reads))
     if isinstance(value, Mirrored):
         return "mirrored", value.same, value.shape, reads
     if isinstance(value, Moved):
-        return "moved", value.k, _digest(terms_of(value.base)), reads
+        return "moved", value.k, _recipe(value.base), reads
     if isinstance(value, Accumulated):
-        return "accumulated", tuple(sorted(value.ks)), _digest(terms_of(value.base)), reads
-    return "terms", _digest(terms_of(value)), reads
+        return "accumulated", tuple(sorted(value.ks)), _recipe(value.base), reads
+    return "terms", _recipe(value), reads
+
+
+def _recipe(value) -> tuple:
+    """What fixes a value's terms: for a claim's continuation, a dp block's contribution or a free part, what it is
+    built from (`tv_ray.partition.lazy`: a claim's slice of one logical graph, the same in every shard of one
+    generation, and a stage id's part atoms); for any other value a digest of its terms (variables by name).
+    Sent values are cut at claims, so mostly the former: digesting them was a fifth of a 405B shard's time."""
+    if isinstance(value, Continued):
+        return "continued", place(value.claim)
+    if isinstance(value, Contribution):
+        return "contribution", place(value.claim), value.width
+    if isinstance(value, Free):
+        return "free", value.cid, place(value.claim), value.position, value.size
+    return _digest(terms_of(value))
 
 
 def _digest(value: np.ndarray) -> tuple:
@@ -302,6 +356,8 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
         # ... and the stage it copies where that is known as it is copied (a representative's cut: `_latest`),
         # else -1 (`resolve_copies` finds it by id)
         self.copied_of = array("i"), array("i")
+        self.fanned = array("b")        # ... 1: the row is each of the rank's mirrors' stage (`Partition.copy_fan`)
+        self.copied_stages = 0          # the stages those rows stand for
         self._latest = (-1, 0)      # (recorded stage, microbatch) of the stage recorded or kept as a copy last
         self.formulas: dict[str, tuple[list[Term], list[Term]]] = {}
         self.unformed: dict[str, str] = {}
@@ -337,9 +393,8 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
                 self._show(self._stepped % BAR_STEP)
 
     def _show(self, stepped: int) -> None:
-        self.bar.set_postfix_str(f"stages {len(self.obligations) + len(self.copied[0]) + len(self.shifted[0])} "
-                                 f"unique {len(self.formulas)}",
-                                 refresh=False)
+        stages = len(self.obligations) + self.copied_stages + len(self.shifted[0])
+        self.bar.set_postfix_str(f"stages {stages} unique {len(self.formulas)}", refresh=False)
         self.bar.update(stepped)
 
     # -- program inputs from boundary lineage --------------------------------------------------
@@ -1019,6 +1074,8 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
         self.copied[1].append(state.pc)
         self.copied_of[0].append(-1)
         self.copied_of[1].append(0)
+        self.fanned.append(0)
+        self.copied_stages += 1
 
     def _record(self, cid, members, state, node: Node, claim: Claim, values, reads, made: tuple | None = None,
                 width: int = 0) -> None:
@@ -1092,10 +1149,11 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
         return Obligation(cid, members, state.name, node.name, claim, key, tuple(reads) if len(reads) < 2 else
                           tuple(sorted(reads)), op, module, phase, realises, mb, len(self.obligations))
 
-    def resolve_copies(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The instantiation map of the stages not recorded: (rank, recorded stage, microbatch it is moved to) of
-        each — the microbatch copies (`shifted`, on their own ranks), then the mirrored stages. A mirror's copy of
-        its representative's cut names the stage it copies already (`_copy_mirrors`); a stepped mirror's stage is
+    def resolve_copies(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The instantiation map of the stages not recorded: (rank, recorded stage, microbatch it is moved to, fan)
+        of each row — the microbatch copies (`shifted`, on their own ranks), then the mirrored stages
+        (`Partition.copy_fan`). A fan — every mirror's copy of its representative's cut — names the stage it
+        copies already (`_copy_mirrors`); a stepped mirror's stage is
         its representative's at the same op (a whole or sliced claim's found once per representative and op; a
         partial one's the group of the representative's images), which may itself be a microbatch copy."""
         at, ks = (np.frombuffer(a, dtype=np.int32) for a in self.shifted)
@@ -1117,7 +1175,8 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
                     if not partial:         # a partial claim's stage depends on the mirror's own group
                         resolved[key] = found
                 reps[i], mbs[i] = found
-        return np.concatenate([own, ranks]), np.concatenate([at, reps]), np.concatenate([ks, mbs])
+        fans = np.concatenate([np.zeros(len(at), dtype=bool), np.frombuffer(self.fanned, dtype=np.int8) > 0])
+        return np.concatenate([own, ranks]), np.concatenate([at, reps]), np.concatenate([ks, mbs]), fans
 
     def _resolve(self, rank: int, pc: int, stages: CopyIndex) -> tuple[tuple[int, int], tuple[str, ...]]:
         """(the recorded stage, microbatch) a stepped mirror's stage at op `pc` copies — its representative's, or

@@ -43,8 +43,6 @@ order of recording may differ.
 """
 from __future__ import annotations
 
-from array import array
-
 import numpy as np
 
 from tv_ray.errors import Asymmetric
@@ -83,8 +81,7 @@ class StandIns:
     def _stand_in_for(self, virtual: bool) -> None:
         """Stand in for the mirrored ranks when `virtual` and every rank off dp 0 is mirrored."""
         mirrors = self.mirrors
-        self.mirrors_of: dict[int, list[int]] = {}
-        self._copies: dict[int, array] = {}                # representative -> its mirrors (`_copy_mirrors`)
+        self.mirrors_of: dict[int, tuple[int, ...]] = {}
         self._kinds: dict[tuple[int, str], object] = {}    # (representative, value) -> its mirrors' kind there
         self._stood: dict[int, object] = {}               # representative -> its mirrors' kind of a collective result
         self._part_kinds: dict[StageId, dict[int, object]] = {}
@@ -92,9 +89,7 @@ class StandIns:
         if not virtual or mirrors is None or mirrors.notes or not mirrors.rep:
             return
         self.virtual = frozenset(mirrors.rep)
-        for rank in sorted(mirrors.rep):
-            self.mirrors_of.setdefault(mirrors.rep[rank], []).append(rank)
-        self._copies = {rep: array("i", ranks) for rep, ranks in self.mirrors_of.items()}
+        self.mirrors_of = {rep: mirrors.of(rep) for rep in set(mirrors.rep.values())}
         self.active = [state for state in self.active if state.rank not in self.virtual]
 
     def _mirror_kind(self, state, node: Node):
@@ -219,13 +214,16 @@ class StandIns:
 
     def _copy_mirrors(self, state) -> None:
         """A representative's cut (whole or sliced, or completing a group within dp 0), its stage just recorded or
-        kept as a microbatch copy (`_latest`): each of its mirrors' copy of that stage."""
-        ranks = self._copies.get(state.rank)
+        kept as a microbatch copy (`_latest`): each of its mirrors' copy of that stage, as one row of the
+        instantiation map (a fan: `Partition.copy_fan`)."""
+        ranks = self.mirrors_of.get(state.rank)
         if ranks:
-            self.copied[0].extend(ranks)
-            self.copied[1].extend(array("i", (state.pc,)) * len(ranks))
-            self.copied_of[0].extend(array("i", (self._latest[0],)) * len(ranks))
-            self.copied_of[1].extend(array("i", (self._latest[1],)) * len(ranks))
+            self.copied[0].append(state.rank)
+            self.copied[1].append(state.pc)
+            self.copied_of[0].append(self._latest[0])
+            self.copied_of[1].append(self._latest[1])
+            self.fanned.append(1)
+            self.copied_stages += len(ranks)
 
     def _part_arrived(self, cid: StageId, members, rank: int, kind) -> None:
         if kind is not None and kind is not SAME and not any(m in self.virtual for m in members):

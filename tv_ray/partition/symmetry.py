@@ -316,6 +316,16 @@ class Mirrors:
     width: int = 1                 # blocks per dp rank (its microbatches)
     notes: list[str] = field(default_factory=list)
     image: dict[int, dict[int, int]] = field(default_factory=dict)   # block k -> the rank swap of dp 0 and k
+    _of: dict[int, tuple[int, ...]] | None = field(default=None, repr=False, compare=False)
+
+    def of(self, rep: int) -> tuple[int, ...]:
+        """The mirrors of representative `rep`, in rank order (none for any other rank)."""
+        if self._of is None:
+            of: dict[int, list[int]] = {}
+            for rank in sorted(self.rep):
+                of.setdefault(self.rep[rank], []).append(rank)
+            self._of = {r: tuple(ranks) for r, ranks in of.items()}
+        return self._of.get(rep, ())
 
     def rank_name(self, name, k: int):
         """A free or opaque variable of dp 0's slots renamed to dp k's (the ranks of its stage swapped)."""
