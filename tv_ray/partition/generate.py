@@ -76,7 +76,6 @@ class ShardRun:
     unformed: dict[str, str]
     templated: int
     renamed: int
-    shifts: Shifts | None
 
     def __getstate__(self) -> dict:
         sides = [(len(lhs), len(rhs)) for lhs, rhs in self.formulas.values()]
@@ -149,7 +148,8 @@ class Renamings:
     """The renamings a generation uses: dp mirrors (`virtual`: stood in for, never stepped,
     `tv_ray.partition.standins`), microbatch moves, the blocks of samples the logical graph is built for, and
     stage templates (`tv_ray.partition.templates`); `renamed`: microbatch k's ops taken as microbatch 0's renamed
-    without evaluating them (`tv_ray.partition.microbatches`; off: each evaluated, the same stages)."""
+    without evaluating them (`tv_ray.partition.microbatches`; off: each evaluated, the same stages); `shifts`: the
+    pairing of microbatch k's ops with microbatch 0's, built once for every shard (None: each run builds it)."""
 
     mirrors: Mirrors | None = None
     moves: Moves | None = None
@@ -157,12 +157,14 @@ class Renamings:
     templates: bool = True
     virtual: bool = True
     renamed: bool = True
+    shifts: Shifts | None = None
 
     def run(self, plan: Plan, dims: dict[str, int], logical: LogicalTerms, claims, bar=None,
             owned: frozenset[int] | None = None, seen: Templates | None = None) -> SymbolicRun:
         """`seen`: the templates another run saw (with `templates`), taken up by this one."""
         run = SymbolicRun(plan, dims, logical, claims, self.mirrors, self.moves, bar, owned=owned,
-                          templates=seen or self.templates, virtual=self.virtual, renamed=self.renamed)
+                          templates=seen or self.templates, virtual=self.virtual, renamed=self.renamed,
+                          shifts=self.shifts)
         run.run()
         return run
 
@@ -186,15 +188,16 @@ def _run_shards(plan, dims, claims, renamings: Renamings, shards, logical, bar) 
         run = renamings.run(plan, dims, logical, claims, bar, owned, seen)
         out.append(ShardRun(run.obligations, run.formulas, *run.resolve_copies(), run.boundary,
                             run.notes + _incomplete(run.pending), run.moved, run.accumulated, run.sent, run.assumed,
-                            run.unformed, run.templated, run.renamed, run.shifts))
+                            run.unformed, run.templated, run.renamed))
         # what the run held besides (values, memos, ranks), cycles and all: the collector is paused
         run.__dict__.clear()
     return out
 
 
-def merge(runs: list[ShardRun], mirrors: Mirrors | None = None, symmetry: list[str] | None = None) -> Partition:
+def merge(runs: list[ShardRun], mirrors: Mirrors | None = None, symmetry: list[str] | None = None,
+          shifts: Shifts | None = None) -> Partition:
     """One partition from the shards' stages (see the module docstring); `Unshardable` when a value crossing
-    shards is not what its receiver rebuilt."""
+    shards is not what its receiver rebuilt. `shifts`: the pairing the shards' microbatch copies name."""
     sent = {k: v for run in runs for k, v in run.sent.items()}
     assumed = {k: v for run in runs for k, v in run.assumed.items()}
     unmatched = sorted(sent.keys() ^ assumed.keys())
@@ -226,7 +229,7 @@ def merge(runs: list[ShardRun], mirrors: Mirrors | None = None, symmetry: list[s
     part = _assemble(obligations, {cid: c for run in runs for cid, c in run.boundary.items()},
                      [note for run in runs for note in run.notes], formulas, symmetry or [], copies, mirrors,
                      sum(r.moved for r in runs), sum(r.accumulated for r in runs),
-                     {k: why for run in runs for k, why in run.unformed.items()}, runs[0].shifts)
+                     {k: why for run in runs for k, why in run.unformed.items()}, shifts)
     part.shards = len(runs)
     part.templated = sum(r.templated for r in runs)
     part.renamed = sum(r.renamed for r in runs)
@@ -272,7 +275,7 @@ def _partition(plan, dims, claims, symmetry, progress, shards, generate, groups,
     logical = cache(lambda: LogicalTerms.build(plan.logical, dims, blocks))   # built here once, if needed here
     bar = tqdm(total=total, disable=not progress, unit="op", desc="generating", file=sys.stderr, dynamic_ncols=True)
     renamings = Renamings(found, moves, blocks, templates, virtual and found is not None and not found.notes,
-                          renamed)
+                          renamed, Shifts(plan, moves.blocks) if moves else None)
     try:
         try:
             return _mirrored(plan, dims, claims, renamings, logical, notes, split, bar, generate, groups)
@@ -334,7 +337,7 @@ def _sharded(plan, dims, claims, renamings: Renamings, logical, split, bar, gene
             runs[i] = result
             bar.update(ops_of(plan, set().union(*jobs[i])))
     by_shard = {owned: run for job, done in zip(jobs, runs) for owned, run in zip(job, done)}
-    return merge([by_shard[owned] for owned in split], renamings.mirrors, symmetry)
+    return merge([by_shard[owned] for owned in split], renamings.mirrors, symmetry, renamings.shifts)
 
 
 def _incomplete(pending: dict) -> list[str]:

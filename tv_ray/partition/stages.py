@@ -320,7 +320,7 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
     def __init__(self, plan: Plan, dims: dict[str, int], logical: LogicalTerms,
                  claims: dict[tuple[int, str], Claim], mirrors: Mirrors | None = None, moves: Moves | None = None,
                  bar: tqdm | None = None, owned: frozenset[int] | None = None, templates: "bool | Templates" = True,
-                 virtual: bool = False, renamed: bool = True):
+                 virtual: bool = False, renamed: bool = True, shifts: Shifts | None = None):
         self.logical, self.claims, self.mirrors, self.moves, self.bar = logical, claims, mirrors, moves, bar
         # each value's provenance (`tv_ray.partition.templates`): what a stage's descriptor is made of; the
         # templates seen (another run's, for the pipeline shards of one generation job)
@@ -377,7 +377,7 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
         self.assumed: dict[tuple, tuple] = {}
         self._crossed: Counter = Counter()
         self._sends: dict[int, dict] = {}
-        self._pair_microbatches(plan, renamed)   # `tv_ray.partition.microbatches`: microbatch k's ops renamed
+        self._pair_microbatches(plan, renamed, shifts)   # `tv_ray.partition.microbatches`: microbatch k's ops renamed
         rank_inputs = self._inputs(plan)
         super().__init__(plan, dims, rank_inputs, keep=False)
         if owned is not None:
