@@ -175,7 +175,7 @@ def main() -> int:
             if first in got and other in got:
                 t, b = got[first], got[other]
                 same = t.get("stages_digest", t["digest"]) == b.get("stages_digest", b["digest"]) and \
-                    (t.get("shards") or b.get("shards") or t.get("copies_digest") == b.get("copies_digest"))
+                    bool(t.get("shards") or b.get("shards") or t.get("copies_digest") == b.get("copies_digest"))
                 ok = ok and same and (other == "before" or t["digest"] == b["digest"])
                 t.setdefault("side_by_side", {})[other] = {
                     "stages_s": b["seconds"]["stages"], "same_stages": same, "same_keys": t["digest"] == b["digest"],
