@@ -139,12 +139,10 @@ class Partition:
         """How many stages each row of the instantiation map stands for: a fan its rank's mirrors, any other one."""
         if self._widths is None:
             self._widths = np.ones(len(self.copy_of), dtype=np.int64)
-            fans = np.flatnonzero(self.copy_fan)
-            if len(fans):
-                mirrors = np.zeros(int(self.copy_ranks[fans].max()) + 1, dtype=np.int64)
-                for rank in np.unique(self.copy_ranks[fans]).tolist():
-                    mirrors[rank] = len(self.mirrors.of(rank))
-                self._widths[fans] = mirrors[self.copy_ranks[fans]]
+            if self.copy_fan.any():       # each representative's mirrors, counted
+                counts = np.bincount(np.fromiter(self.mirrors.rep.values(), dtype=np.int64, count=len(self.mirrors.rep)),
+                                     minlength=int(self.copy_ranks.max()) + 1)
+                self._widths[self.copy_fan] = counts[self.copy_ranks[self.copy_fan]]
         return self._widths
 
     @property
@@ -167,12 +165,16 @@ class Partition:
         """A stage of row i of the instantiation map, expanded: its recorded stage moved to its microbatch
         (`Shifts`), and for a mirrored rank, with ranks, ids and samples moved to its dp block — for a fan, the
         stage of its mirror `rank`."""
-        ob, mb, own = self.obligations[self.copy_of[i]], int(self.copy_mb[i]), int(self.copy_ranks[i])
+        own = int(self.copy_ranks[i])
         if bool(self.copy_fan[i]) != (rank is not None) or (rank is not None and rank not in self.mirrors.of(own)):
             raise ValueError(f"row {i} of the instantiation map is " +
                              (f"a fan of rank {own}'s mirrors {list(self.mirrors.of(own))}, not {rank}"
                               if self.copy_fan[i] else f"rank {own}'s stage: no other rank to name ({rank})"))
-        rank = own if rank is None else rank
+        return self._expand(i, own if rank is None else rank)
+
+    def _expand(self, i: int, rank: int) -> Obligation:
+        """Row i's stage on `rank` (`copy`, unchecked)."""
+        ob, mb = self.obligations[self.copy_of[i]], int(self.copy_mb[i])
         if mb:
             ob = self.shifts.shift(ob, mb)
         if self.mirrors is None or rank not in self.mirrors.rep:
@@ -187,11 +189,9 @@ class Partition:
 
     def row(self, i: int) -> Iterator[Obligation]:
         """The stages row i of the instantiation map stands for, expanded (`copy`)."""
-        if self.copy_fan[i]:
-            for rank in self.mirrors.of(int(self.copy_ranks[i])):
-                yield self.copy(i, rank)
-        else:
-            yield self.copy(i)
+        own = int(self.copy_ranks[i])
+        for rank in self.mirrors.of(own) if self.copy_fan[i] else (own,):
+            yield self._expand(i, rank)
 
     def flat_copies(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The instantiation map with each fan spread over its mirrors: (rank, recorded stage, microbatch) of every
@@ -945,7 +945,8 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
             if copied and kinds & {"same", "renamed"}:
                 self._copy(state)
             elif not self._moved_stage(cid, members, state, node, claim, values, reads):
-                self._record_group(cid, members, state, node, claim, values, [parts[m][1] for m in members], made)
+                self._record_group(cid, members, state, node, claim, values, reads, [parts[m][1] for m in members],
+                                   made)
                 self._remember(members, node, claim, values)
             if grouped:
                 self._copy_groups(state, cid, members)
@@ -1027,11 +1028,12 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
             claims.add(hit[1])
         return claims.pop() if len(claims) == 1 else None
 
-    def _record_group(self, cid, members, state, node: Node, claim: Claim, values, each: list, made: list) -> None:
+    def _record_group(self, cid, members, state, node: Node, claim: Claim, values, reads, each: list,
+                      made: list) -> None:
         """A partial claim's group is complete: the group's sum against the slice (mirrored parts renamed),
         or, for a contribution sum whose group spans every dp block evenly, dp block 0's part alone. Where the
-        members already continue from their blocks' contributions (`_part`), it must be the latter. `each`: the
-        claims each member's part read; `made`: the provenance of each member's part, whose sum's
+        members already continue from their blocks' contributions (`_part`), it must be the latter. `reads`: the
+        claims the members' parts read, `each` those of each member's; `made`: the provenance of each member's part, whose sum's
         (`Templates.parts`) gives the stage's template.
 
         Dp block 0's part reads what block 0's members read, and only that: the stage is recorded so. The
@@ -1039,7 +1041,6 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
         the composition reads as its representative's claim (`Partition.representative`) — block 0's members'
         again —, so listing them adds no condition, only edges: 64 members' reads a weight gradient at
         llama3-405b's dp=64, most of its 15 M."""
-        reads = frozenset().union(*each)
         contributed = self._contributes(members, claim)
         if not contributed and not any(isinstance(v, Mirrored) for v in values):
             return self._record(cid, members, state, node, claim, values, reads, made=self._summed(made))
