@@ -1,4 +1,5 @@
 """Certificates: a proved run writes one, `tv-ray check` re-validates it, and any tampering fails with a named cause."""
+import gc
 import gzip
 import json
 import shutil
@@ -12,6 +13,7 @@ from tv_ray.certificate import check_certificate
 from tv_ray.certificate.write import manifest_digest, sha256_file
 from tv_ray.cli import main
 from tv_ray.errors import CertificateError
+from tv_ray.plan import Plan
 
 # one worker builds the certificate for every test here (the local executor: the Ray tests' worker is the longest)
 pytestmark = pytest.mark.xdist_group("certificate")
@@ -215,6 +217,25 @@ def test_a_certificate_of_the_previous_format_is_named_as_such(cert):
     assert str(err.value) == (f"{cert / 'certificate.json'}: format 'tv-ray-certificate/3', expected "
                               f"'tv-ray-certificate/7' (another tv_ray version's keys and stages: verify the plan "
                               f"again with this one)")
+
+
+def test_a_verify_and_a_check_run_with_the_collector_paused_and_restore_it(cert, monkeypatch):
+    import tv_ray.certificate.check as check
+    import tv_ray.engine.driver as driver
+    seen = []
+
+    def stop(*args, **kwargs):
+        seen.append(gc.isenabled())
+        raise RuntimeError("stopped here")
+
+    monkeypatch.setattr(driver, "verify_plan", stop)
+    monkeypatch.setattr(check, "derive", stop)
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError, match="stopped here"):
+        api.verify(Plan.load(cert / "plan.json.gz"), progress=False, engine="local")
+    with pytest.raises(RuntimeError, match="stopped here"):
+        check_certificate(cert)
+    assert seen == [False, False] and gc.isenabled()
 
 
 def test_check_and_explain_commands(cert, capsys):

@@ -48,7 +48,7 @@ from tv_ray.certificate.write import FORMAT, INSTANCES, MANIFEST, TABLE, manifes
 from tv_ray.errors import CertificateError, PlanError
 from tv_ray.partition.compose import composition_problems
 from tv_ray.partition.derive import Settings, derive
-from tv_ray.plan import Plan
+from tv_ray.plan import Plan, gc_paused
 from tv_ray.smt import prove
 from tv_ray.terms import Term
 from tv_ray.terms.normal import NormaliseError, Normaliser, ground_lemmas
@@ -211,6 +211,7 @@ def _whose(rank, fan) -> str:
     return f"each mirror of rank {int(rank)}" if fan else f"rank {int(rank)}"
 
 
+@gc_paused()         # as `tv_ray.verify` is: the check holds as many terms
 def check_certificate(out: str | Path, sample: int | None = None, solvers: tuple[str, ...] = ("z3", "yices"),
                       timeout_s: float = 10.0, seed: int = 0, allow_same_method: bool = False,
                       progress: bool | None = None, workers: int = 1) -> CheckReport:
