@@ -238,6 +238,22 @@ def test_a_verify_and_a_check_run_with_the_collector_paused_and_restore_it(cert,
     assert seen == [False, False] and gc.isenabled()
 
 
+def test_keys_re_proved_in_two_processes_give_the_same_report_and_name_the_same_failing_key(cert, monkeypatch):
+    import tv_ray.certificate.check as check
+    one, two = check_certificate(cert), check_certificate(cert, workers=2)
+    assert two.methods == one.methods and two.methods.get("smt", 0) > 0
+    assert (two.resolved, two.different_method, two.unique) == (one.resolved, one.different_method, one.unique) \
+        and two.resolved == two.unique
+    monkeypatch.setattr(check, "_by_smt", lambda lhs, rhs, solvers, timeout_s: "no SMT solver here")
+    failed = []
+    for workers in (1, 2):
+        with pytest.raises(CertificateError) as raised:
+            check_certificate(cert, workers=workers)
+        failed.append(str(raised.value))
+    assert failed[0] == failed[1] and "was re-proved only by its recorded method normalised (smt: no SMT solver " \
+        "here)" in failed[0]
+
+
 def test_check_and_explain_commands(cert, capsys):
     assert main(["check", str(cert), "--sample", "5"]) == 0
     assert "tv-ray check: OK" in capsys.readouterr().out

@@ -574,3 +574,23 @@ def test_an_smtlib_process_leaves_no_file_where_it_is_run(solver, tmp_path, monk
         for created in list(backend._solvers.values()):
             backend._drop(created)
     assert list(tmp_path.iterdir()) == []
+
+
+def _in_a_forked_child() -> tuple[bool, bool, bool]:
+    from tv_ray.smt import solvers
+    mine = get_solver("yices")
+    inherited = [b for b in solvers._INHERITED if b.solver == mine.solver]
+    proved = prove(add(var("x"), var("y")), add(var("y"), var("x")), solvers=("yices",)).proved
+    return bool(inherited), all(b is not mine for b in inherited), proved
+
+
+def test_a_forked_child_starts_its_own_solver_processes_and_leaves_the_parents_alone():
+    import multiprocessing
+    lhs, rhs = mul(var("x"), add(var("y"), const(1))), add(mul(var("x"), var("y")), var("x"))
+    assert prove(lhs, rhs, solvers=("yices",)).proved          # the parent's yices process is warm
+    parent = get_solver("yices")
+    pid = parent._solvers and next(iter(parent._solvers.values())).solver.pid
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        assert pool.apply(_in_a_forked_child) == (True, True, True)
+    assert get_solver("yices") is parent and prove(lhs, rhs, solvers=("yices",)).proved
+    assert next(iter(parent._solvers.values())).solver.pid == pid     # the same process: the child never closed it

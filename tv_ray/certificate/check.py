@@ -48,6 +48,7 @@ from tv_ray.certificate.write import FORMAT, INSTANCES, MANIFEST, TABLE, manifes
 from tv_ray.errors import CertificateError, PlanError
 from tv_ray.partition.compose import composition_problems
 from tv_ray.partition.derive import Settings, derive
+from tv_ray.partition.generate import in_processes
 from tv_ray.plan import Plan, gc_paused
 from tv_ray.smt import prove
 from tv_ray.terms import Term
@@ -138,6 +139,45 @@ def _methods(recorded: str, solvers: tuple[str, ...], timeout_s: float) -> list[
             ("smt", False, smt)]
 
 
+def _without_identical(recorded: str) -> str:
+    return "+".join(p for p in recorded.split("+") if p != "identical")
+
+
+def _reprove_key(lhs: list[Term], rhs: list[Term], recorded: str, solvers: tuple[str, ...],
+                 timeout_s: float) -> tuple[str | None, bool, list[str]]:
+    """(the method that re-proved the key, whether it differs from the `recorded` one, why the ones tried before
+    it failed); (None, False, why) when none did. Equations whose sides are the very same term hold by
+    reflexivity ("identical": no method needed, so a different one)."""
+    open_ = [i for i, (a, b) in enumerate(zip(lhs, rhs)) if a is not b]
+    if not open_:
+        return "identical", True, []
+    lhs, rhs = [lhs[i] for i in open_], [rhs[i] for i in open_]
+    why = []
+    for name, different, method in _methods(_without_identical(recorded), solvers, timeout_s):
+        failed = method(lhs, rhs)
+        if not failed:
+            return name, different, why
+        why.append(f"{name}: {failed}")
+    return None, False, why
+
+
+def _reprove(formulas: dict, jobs: list[tuple[str, str]], solvers: tuple[str, ...], timeout_s: float, workers: int,
+             advance: Callable[[int], object]) -> dict[str, tuple[str | None, bool, list[str]]]:
+    """`_reprove_key` for each (key, recorded method) in `jobs`, here or in `workers` forked processes (which
+    inherit the formulas; the keys of most equations first, so that no long one is left to run alone), by key."""
+    reprove = lambda key, recorded: _reprove_key(*formulas[key], recorded, solvers, timeout_s)   # noqa: E731
+    if workers > 1 and len(jobs) > 1:
+        jobs = sorted(jobs, key=lambda job: -len(formulas[job[0]][0]))
+        results = in_processes(workers)(reprove, jobs)
+    else:
+        results = ((i, reprove(*job)) for i, job in enumerate(jobs))
+    out = {}
+    for i, result in results:
+        out[jobs[i][0]] = result
+        advance(1)
+    return out
+
+
 def _compare(part, table: Path, advance: Callable[[int], object] = lambda n: None) -> tuple[int, dict[str, str], dict]:
     """The table row by row against the plan's recorded stages, in stage order, streamed: (rows, recorded method
     by key, first obligation by key). Raises naming the first row that is missing, extra, out of order, of another
@@ -220,7 +260,8 @@ def check_certificate(out: str | Path, sample: int | None = None, solvers: tuple
     A key that only its recorded method re-proves makes the check fail (it is then not independent for that
     key) unless `allow_same_method`. `progress`: bars on stderr for the rows compared and the keys re-proved
     (default: when stderr is a terminal). `workers`: processes the stages of a plan generated in pipeline
-    shards are re-derived in (the same stages however many)."""
+    shards are re-derived in (the same stages however many) and the keys re-proved in (the same verdicts; a
+    failing key is named as with one, the first of them in key order)."""
     started = time.perf_counter()
     show = sys.stderr.isatty() if progress is None else progress
     out = Path(out)
@@ -250,40 +291,29 @@ def check_certificate(out: str | Path, sample: int | None = None, solvers: tuple
     chosen = sorted(by_key)
     if sample is not None and sample < len(chosen):
         chosen = sorted(random.Random(seed).sample(chosen, sample))
-    for key in tqdm(chosen, disable=not show, unit="key", desc="re-proving", file=sys.stderr, dynamic_ncols=True):
-        lhs, rhs = part.formulas[key]
-        open_ = [i for i, (a, b) in enumerate(zip(lhs, rhs)) if a is not b]
-        if not open_:
-            report.resolved += 1
-            report.different_method += 1
-            report.methods["identical"] = report.methods.get("identical", 0) + 1
-            continue
-        lhs, rhs = [lhs[i] for i in open_], [rhs[i] for i in open_]
-        recorded = "+".join(p for p in by_key[key].split("+") if p != "identical")
-        why = []
-        for name, different, method in _methods(recorded, solvers, timeout_s):
-            failed = method(lhs, rhs)
-            if not failed:
-                if not different and not allow_same_method:
-                    ob = first[key]
-                    raise CertificateError(
-                        f"key {key[:16]}… (obligation {ob.id}, {ob.claim.describe()}) was re-proved only by its "
-                        f"recorded method {recorded} ({'; '.join(why)}): the check is not independent for it; "
-                        f"give other --solvers, a longer --timeout, or accept it with --allow-same-method",
-                        obligation=str(ob.id))
-                report.resolved += 1
-                report.methods[name] = report.methods.get(name, 0) + 1
-                if different:
-                    report.different_method += 1
-                else:
-                    report.same_method += 1
-                break
-            why.append(f"{name}: {failed}")
-        else:
-            ob = first[key]
+    with tqdm(total=len(chosen), disable=not show, unit="key", desc="re-proving", file=sys.stderr,
+              dynamic_ncols=True) as bar:
+        reproved = _reprove(part.formulas, [(key, by_key[key]) for key in chosen], solvers, timeout_s, workers,
+                            bar.update)
+    for key in chosen:
+        name, different, why = reproved[key]
+        ob = first[key]
+        if name is None:
             raise CertificateError(f"key {key[:16]}… (obligation {ob.id}, {ob.claim.describe()}) was recorded as "
                                    f"{by_key[key]} but the checker could not prove it again: {'; '.join(why)}",
                                    obligation=str(ob.id))
+        if not different and not allow_same_method:
+            raise CertificateError(
+                f"key {key[:16]}… (obligation {ob.id}, {ob.claim.describe()}) was re-proved only by its "
+                f"recorded method {_without_identical(by_key[key])} ({'; '.join(why)}): the check is not "
+                f"independent for it; give other --solvers, a longer --timeout, or accept it with "
+                f"--allow-same-method", obligation=str(ob.id))
+        report.resolved += 1
+        report.methods[name] = report.methods.get(name, 0) + 1
+        if different:
+            report.different_method += 1
+        else:
+            report.same_method += 1
     report.seconds = time.perf_counter() - started
     return report
 

@@ -28,6 +28,7 @@ calling thread, and only each solver's check runs in a worker thread.
 """
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -47,6 +48,14 @@ from tv_ray.terms.term import Kind, Term, postorder
 
 _PROVE_LOCK = threading.Lock()
 _queries = 0                  # proofs since the pysmt environment was last recycled
+
+
+def _new_lock() -> None:
+    global _PROVE_LOCK
+    _PROVE_LOCK = threading.Lock()      # a forked child's: the parent's may have been held by another thread
+
+
+os.register_at_fork(after_in_child=_new_lock)
 
 
 @dataclass

@@ -448,6 +448,20 @@ def cvc5_backend() -> SmtLibBackend:
 BACKENDS = {"z3": Z3Backend, "cvc5": cvc5_backend, "yices": yices_backend}
 _INSTANCES: dict[str, Backend] = {}
 _INSTANCES_LOCK = threading.Lock()
+_INHERITED: list[Backend] = []      # in a forked child: the parent's, kept (see `_forget_instances`), never used
+
+
+def _forget_instances() -> None:
+    """In a child forked from a process with warm backends (a worker of `tv-ray check --jobs`, of the local
+    executor): those are the parent's — its solver processes, their pipes — so the child starts its own. The
+    parent's stay referenced here: closing one would send its process `(exit)` through the shared pipe."""
+    global _INSTANCES_LOCK
+    _INHERITED.extend(_INSTANCES.values())
+    _INSTANCES.clear()
+    _INSTANCES_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_instances)
 
 
 def get_solver(name: str) -> Backend:
