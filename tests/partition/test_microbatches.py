@@ -19,7 +19,7 @@ from tv_ray.partition.compose import composition_problems
 from tv_ray.partition.derive import claims_for
 from tv_ray.partition.generate import partition
 from tv_ray.partition.microbatches import CopyIndex, counterparts
-from tv_ray.partition.symmetry import microbatch_moves
+from tv_ray.partition.symmetry import find_mirrors, microbatch_moves
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from mutants import _like, edit, with_program  # noqa: E402
@@ -154,3 +154,31 @@ def test_microbatch_ks_ops_take_their_counterparts_claims_moved_only_where_they_
             assert misplaced.get((rank, op)) == searched.get((rank, op)), (rank, op)
             wrong += 1
     assert taken > 500 and wrong >= taken and offers >= taken
+
+
+def test_a_continuations_footprint_is_read_off_its_claim_as_its_terms_give_it(claimed, monkeypatch):
+    from tv_ray.partition.lazy import Continued
+    from tv_ray.partition.logical import LogicalTerms
+    from tv_ray.partition.stages import SymbolicRun
+    plan, dims, claims = claimed("dp=2,tp=2,pp=2,mb=4")
+    moves = microbatch_moves(plan, dims, find_mirrors(plan, dims, True)[0], True)
+    logical = LogicalTerms.build(plan.logical, dims, moves.blocks)
+    places = {(c.logical, c.offsets, c.shape): c for c in claims.values()
+              if not c.partial and logical.atomic(c.logical)}
+    spanned = [(moves.blocks.spanned(c), moves.footprint(Continued(logical, c).terms())[0]) for c in places.values()]
+    assert len(spanned) > 100 and sum(bool(b) for b, _ in spanned) > 50 and sum(not b for b, _ in spanned) > 50
+    assert all(mine == theirs for mine, theirs in spanned)
+    # and in a run: the continuations whose footprint it asks for are read off their claims, as their terms give it
+    original, seen = SymbolicRun._footprint, []
+
+    def both(self, value):
+        unbuilt = isinstance(value, Continued) and value.real is None
+        logical, claim = (value.logical, value.claim) if unbuilt else (None, None)
+        got = original(self, value)
+        if unbuilt and logical.atomic(claim.logical):
+            seen.append((got, self.moves.footprint(Continued(logical, claim).terms())))
+        return got
+
+    monkeypatch.setattr(SymbolicRun, "_footprint", both)
+    partition(plan, dims, claims, shards=False)
+    assert len(seen) > 20 and all(mine == theirs for mine, theirs in seen)

@@ -64,9 +64,12 @@ class Claim:
 
     def shifted(self, dim: int, by: int) -> "Claim":
         """The same claim `by` elements further along `dim` (`dataclasses.replace`, without its cost: a
-        mirrored run moves every claim of every mirrored rank)."""
-        offsets = self.offsets[:dim] + (self.offsets[dim] + by,) + self.offsets[dim + 1:]
-        return Claim(self.logical, offsets, self.shape, self.partial, self.boundary, self.given)
+        mirrored run moves every claim of every mirrored rank, a renamed microbatch each of its cuts' — so not
+        even a frozen dataclass's `__init__`, one `object.__setattr__` a field: its fields set at once)."""
+        moved = object.__new__(Claim)
+        moved.__dict__.update(self.__dict__)
+        moved.__dict__["offsets"] = self.offsets[:dim] + (self.offsets[dim] + by,) + self.offsets[dim + 1:]
+        return moved
 
     def slices(self) -> tuple:
         """The index of the slice (0-d tensors included: the result stays an array)."""

@@ -63,6 +63,7 @@ from tv_ray.terms import Kind, Term, postorder, substitute, sum_
 from tv_ray.terms.linear import collect
 
 BAR_STEP = 4096              # ops stepped between progress bar updates
+NOTHING: frozenset = frozenset()     # an op's reads when its arguments read no claim
 REPLAY_DEPTH = 4             # ops a pipeline shard re-runs to rebuild a value another shard sends uncut
 EXPAND_ROUNDS = 24
 EXPAND_GROWTH, EXPAND_SLACK = 3, 1000      # stop unfolding past 3x the formula's size + 1000 nodes
@@ -646,9 +647,17 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
         cache = self._footprints.setdefault(rank, {})
         seen = cache.get(id(value))
         if seen is None or seen[0] is not value:
-            seen = cache[id(value)] = (value, self.moves.footprint(terms_of(value)))
+            seen = cache[id(value)] = (value, self._footprint(value))
         blocks, parts = seen[1]
         return not parts and 0 not in blocks and k not in blocks
+
+    def _footprint(self, value) -> tuple[frozenset[int], bool]:
+        """`Moves.footprint` of the value's terms; for a continuation not built whose tensor is its atoms throughout
+        (`LogicalTerms.atomic`), read off its claim — the blocks its slice spans, no free part — without building
+        them (a weight's slice read by every microbatch: most were never built, their stages templated)."""
+        if isinstance(value, Continued) and value.real is None and value.logical.atomic(value.claim.logical):
+            return self.moves.blocks.spanned(value.claim), False
+        return self.moves.footprint(terms_of(value))
 
     def _moved(self, rank: int, node: Node, args) -> Moved | None:
         """Microbatch 0's result of this op, renamed, when the arguments are microbatch 0's renamed."""
@@ -847,8 +856,10 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
             reads = self._group_sources
         elif node.op == Op.RECV:
             reads = self._received
+        elif len(node.args) == 1:
+            reads = self.sources.get((state.rank, node.args[0]), NOTHING)
         else:
-            reads = frozenset().union(*(self.sources.get((state.rank, a), frozenset()) for a in node.args))
+            reads = NOTHING.union(*(self.sources.get((state.rank, a), NOTHING) for a in node.args))
         if (state.rank, node.name) in self.opaque:
             reads = reads | {StageId.opaque(state.rank, node.name)}
         return reads

@@ -267,6 +267,14 @@ class Blocks:
         tag = self.tags.get(claim.logical)
         return claim if tag is None or k == 0 else claim.shifted(tag.dim, k * width * self.size * tag.q)
 
+    def spanned(self, claim) -> frozenset[int]:
+        """The blocks (of one microbatch) whose samples a claim's slice holds: none for a tensor without samples."""
+        tag = self.tags.get(claim.logical)
+        if tag is None or not claim.shape[tag.dim]:
+            return frozenset()
+        width, lo = self.size * tag.q, claim.offsets[tag.dim]
+        return frozenset(range(lo // width, (lo + claim.shape[tag.dim] - 1) // width + 1))
+
     def block_of(self, name) -> int | None:
         """The block (of one microbatch) a variable's sample lies in; None for a variable without samples."""
         tag = self.tags.get(name.base) if isinstance(name, Atom) and name.idx else None
