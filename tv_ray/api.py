@@ -144,6 +144,7 @@ class Result:
         """The first failing stage with its replayed values, when refuted."""
         return self.report.get("stage") if self.status == "refuted" else None
 
+    @gc_paused()        # as `verify` is: writing walks the stages it holds (llama3-405b: 11 s of collections)
     def save(self, out: str | Path) -> Path:
         """Write OUT/certificate.json + obligations.parquet + instances.parquet (proved) or OUT/report.json with
         the two tables (otherwise)."""

@@ -3,6 +3,7 @@ import gc
 import gzip
 import json
 import shutil
+from types import SimpleNamespace
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -219,8 +220,9 @@ def test_a_certificate_of_the_previous_format_is_named_as_such(cert):
                               f"again with this one)")
 
 
-def test_a_verify_and_a_check_run_with_the_collector_paused_and_restore_it(cert, monkeypatch):
+def test_a_verify_a_check_and_a_save_run_with_the_collector_paused_and_restore_it(cert, monkeypatch):
     import tv_ray.certificate.check as check
+    import tv_ray.certificate.write as write
     import tv_ray.engine.driver as driver
     seen = []
 
@@ -230,12 +232,15 @@ def test_a_verify_and_a_check_run_with_the_collector_paused_and_restore_it(cert,
 
     monkeypatch.setattr(driver, "verify_plan", stop)
     monkeypatch.setattr(check, "derive", stop)
+    monkeypatch.setattr(write, "write_certificate", stop)
     assert gc.isenabled()
     with pytest.raises(RuntimeError, match="stopped here"):
         api.verify(Plan.load(cert / "plan.json.gz"), progress=False, engine="local")
     with pytest.raises(RuntimeError, match="stopped here"):
         check_certificate(cert)
-    assert seen == [False, False] and gc.isenabled()
+    with pytest.raises(RuntimeError, match="stopped here"):
+        api.Result(outcome=SimpleNamespace(proved=True), report={}, settings={}).save(cert)
+    assert seen == [False, False, False] and gc.isenabled()
 
 
 def test_keys_re_proved_in_two_processes_give_the_same_report_and_name_the_same_failing_key(cert, monkeypatch):
