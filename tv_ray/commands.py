@@ -295,6 +295,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     print(f"tv-ray check: OK — {report.obligations} obligations, {report.unique} unique keys; re-proved "
           f"{report.resolved} by a different method than recorded{same} ({json.dumps(report.methods)}) in "
           f"{report.seconds:.2f}s")
+    print(f"  {' · '.join(f'{phase} {seconds:.1f}s' for phase, seconds in report.phases.items())}")
     return 0
 
 

@@ -2,6 +2,7 @@
 import gc
 import gzip
 import json
+import re
 import shutil
 from types import SimpleNamespace
 
@@ -60,6 +61,8 @@ def _flip_first_verdict(table):
 def test_a_fresh_certificate_checks(cert):
     report = check_certificate(cert, sample=25)
     assert report.resolved == 25 and report.obligations > 1000
+    assert list(report.phases) == ["derive", "compare", "compose", "re-prove"]
+    assert all(s >= 0 for s in report.phases.values()) and sum(report.phases.values()) <= report.seconds
     manifest = json.loads((cert / "certificate.json").read_text())
     assert manifest["counts"]["proved"] == manifest["counts"]["obligations"]
     assert manifest["plan"]["path"] == "plan.json.gz" and manifest["reduction"]["reduced"]["batch"] == 8
@@ -261,7 +264,9 @@ def test_keys_re_proved_in_two_processes_give_the_same_report_and_name_the_same_
 
 def test_check_and_explain_commands(cert, capsys):
     assert main(["check", str(cert), "--sample", "5"]) == 0
-    assert "tv-ray check: OK" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "tv-ray check: OK" in out
+    assert re.search(r"\n  derive \d+\.\ds · compare \d+\.\ds · compose \d+\.\ds · re-prove \d+\.\ds\n$", out), out
     assert main(["explain", str(cert)]) == 0
     assert "PROVED" in capsys.readouterr().out
     _rewrite(cert, _flip_first_verdict, refresh_hashes=False)

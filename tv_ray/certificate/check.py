@@ -68,6 +68,7 @@ class CheckReport:
     same_method: int = 0
     seconds: float = 0.0
     methods: dict[str, int] = field(default_factory=dict)
+    phases: dict[str, float] = field(default_factory=dict)     # seconds: derive, compare, compose, re-prove
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -275,6 +276,7 @@ def check_certificate(out: str | Path, sample: int | None = None, solvers: tuple
                         recorded.get("templates", False))      # certificates from before templates have none
     derivation = derive(plan, settings, manifest.get("claims_dropped", []), workers)
     reduction, part = derivation.reduction, derivation.partition
+    phases = {"derive": time.perf_counter() - started}
     if reduction.reduced != manifest["reduction"]["reduced"]:
         raise CertificateError(f"reduced dims {reduction.reduced} differ from the certificate's "
                                f"{manifest['reduction']['reduced']}")
@@ -283,10 +285,12 @@ def check_certificate(out: str | Path, sample: int | None = None, solvers: tuple
         rows, by_key, first = _compare(part, out / TABLE, bar.update)
         rows += _compare_instances(part, out / INSTANCES)
         bar.update(part.copies)
+    phases["compare"] = time.perf_counter() - started - sum(phases.values())
     problems = composition_problems(plan, part, {o.id for o in part.obligations})
     if problems:
         raise CertificateError(f"composition does not hold: {problems[0]}")
-    report = CheckReport(obligations=rows)
+    phases["compose"] = time.perf_counter() - started - sum(phases.values())
+    report = CheckReport(obligations=rows, phases=phases)
     report.unique = len(by_key)
     chosen = sorted(by_key)
     if sample is not None and sample < len(chosen):
@@ -295,6 +299,7 @@ def check_certificate(out: str | Path, sample: int | None = None, solvers: tuple
               dynamic_ncols=True) as bar:
         reproved = _reprove(part.formulas, [(key, by_key[key]) for key in chosen], solvers, timeout_s, workers,
                             bar.update)
+    phases["re-prove"] = time.perf_counter() - started - sum(phases.values())
     for key in chosen:
         name, different, why = reproved[key]
         ob = first[key]
