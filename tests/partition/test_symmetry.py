@@ -108,7 +108,8 @@ def test_mirrored_ranks_give_the_same_stages_as_running_every_rank(dp4):
                                  f"{list(mirrored.mirrors.of(rep))}, not {rank}"
     everyone = list(mirrored.every())
     assert mirrored.size == len(everyone) == len(full.obligations)
-    assert sorted((o.id, o.ranks, o.claim) for o in full.obligations) == sorted((o.id, o.ranks, o.claim) for o in everyone)
+    assert sorted((o.id, o.ranks, o.claim) for o in full.obligations) == \
+        sorted((o.id, o.ranks, o.claim) for o in everyone)
     # the same reads, but where a contribution sum is proved as dp block 0's part: block 0's members' reads alone,
     # which the mirrors' (their copies) stand for in the composition (`Partition.representative`)
     by_id = {o.id: o for o in everyone}

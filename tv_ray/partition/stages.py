@@ -141,8 +141,8 @@ class Partition:
         if self._widths is None:
             self._widths = np.ones(len(self.copy_of), dtype=np.int64)
             if self.copy_fan.any():       # each representative's mirrors, counted
-                counts = np.bincount(np.fromiter(self.mirrors.rep.values(), dtype=np.int64, count=len(self.mirrors.rep)),
-                                     minlength=int(self.copy_ranks.max()) + 1)
+                reps = np.fromiter(self.mirrors.rep.values(), dtype=np.int64, count=len(self.mirrors.rep))
+                counts = np.bincount(reps, minlength=int(self.copy_ranks.max()) + 1)
                 self._widths[self.copy_fan] = counts[self.copy_ranks[self.copy_fan]]
         return self._widths
 
@@ -1044,8 +1044,8 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
         """A partial claim's group is complete: the group's sum against the slice (mirrored parts renamed),
         or, for a contribution sum whose group spans every dp block evenly, dp block 0's part alone. Where the
         members already continue from their blocks' contributions (`_part`), it must be the latter. `reads`: the
-        claims the members' parts read, `each` those of each member's; `made`: the provenance of each member's part, whose sum's
-        (`Templates.parts`) gives the stage's template.
+        claims the members' parts read, `each` those of each member's; `made`: the provenance of each member's
+        part, whose sum's (`Templates.parts`) gives the stage's template.
 
         Dp block 0's part reads what block 0's members read, and only that: the stage is recorded so. The
         mirrors' parts are their representatives' renamed, and each claim they read is a mirror's copy, which
