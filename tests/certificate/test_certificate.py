@@ -262,6 +262,19 @@ def test_keys_re_proved_in_two_processes_give_the_same_report_and_name_the_same_
         "here)" in failed[0]
 
 
+def test_a_keys_equations_are_re_proved_in_one_query_and_a_false_one_is_named_alone(monkeypatch):
+    from tv_ray.certificate import check
+    from tv_ray.terms import add, const, div, mul, var
+    x, y = var("x"), var("y")
+    alone = []
+    prove = check.prove
+    monkeypatch.setattr(check, "prove", lambda lhs, rhs, *rest: alone.append(lhs) or prove(lhs, rhs, *rest))
+    assert check._by_smt([add(x, y), div(x, x)], [add(y, x), const(1)], ("z3",), 10.0) == ""
+    assert alone == []                  # one query for both
+    why = check._by_smt([add(x, y), mul(x, y), div(x, x)], [add(y, x), add(x, y), const(1)], ("z3",), 10.0)
+    assert why.startswith("equation 1: ") and alone == [add(x, y), mul(x, y)], why
+
+
 def test_check_and_explain_commands(cert, capsys):
     assert main(["check", str(cert), "--sample", "5"]) == 0
     out = capsys.readouterr().out

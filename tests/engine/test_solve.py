@@ -43,6 +43,18 @@ def test_smt_tier_proves_what_the_normaliser_leaves_open():
     assert (v.verdict, v.tier, v.method) == ("proved", 2, "smt:z3")
 
 
+def test_smt_tier_proves_the_open_equations_in_one_query_and_names_a_false_one_alone(monkeypatch):
+    from tv_ray.engine import solve as tiers
+    alone = []
+    prove = tiers.prove_with_record
+    monkeypatch.setattr(tiers, "prove_with_record", lambda lhs, *rest: alone.append(lhs) or prove(lhs, *rest))
+    min_ = -max_(-x, -y)
+    v = solve([max_(x, y) + min_, max_(x, z) + (-max_(-x, -z))], [x + y, x + z], Budget(solvers=("z3",), tiers=(2,)))
+    assert (v.verdict, v.tier, v.method) == ("proved", 2, "smt:z3") and alone == []
+    v = solve([max_(x, y) + min_, max_(x, y)], [x + y, x], Budget(solvers=("z3",), tiers=(2,)))
+    assert (v.verdict, v.element) == ("refuted", 1) and alone == [max_(x, y) + min_, max_(x, y)]
+
+
 def test_indicators_are_drawn_one_hot_so_a_selection_identity_is_not_refuted():
     # Σ_v δ_v = 1 holds only for one-hot indicators; free random values would "refute" it.
     total = sum_([indicator(Atom("t", (0,)), v, 3) for v in range(3)])

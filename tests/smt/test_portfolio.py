@@ -17,7 +17,8 @@ from pysmt.solvers.solver import Solver as PysmtSolver
 import tv_ray.smt
 from tests.terms.corpus import BY_NAME, CASES
 from tv_ray.errors import TvRayError
-from tv_ray.smt import Backend, EncodeError, available_solvers, encode, get_solver, prove, prove_with_record, race
+from tv_ray.smt import Backend, EncodeError, available_solvers, encode, encode_all, get_solver, prove, prove_all, \
+    prove_with_record, race
 from tv_ray.smt.solvers import GRACE_S, SmtLibBackend
 from tv_ray.terms import Kind, add, app, const, div, exp, from_table, log, mul, neg, postorder, pow_, prod, sub, sum_, \
     to_table, var
@@ -193,6 +194,30 @@ def test_ground_lemmas_prove_max_cancelled_log_sum_exp():
         assert result.proved and result.method == METHOD[solver], (solver, result)
         assert len(result.axioms) == 3
         assert record.assumptions.winner.status == "sat"   # the guards and lemmas hold somewhere
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_equations_proved_at_once_each_under_its_own_guards(solver):
+    x, y, z = var("x"), var("y"), var("z")
+    mgr = get_env().formula_manager
+    enc = encode_all([(div(x, x), const(1)), (mul(y, z), mul(z, y)), (div(y, y), const(1))])
+    x_, y_ = (mgr.get_symbol(f"x{i}") for i in (0, 1))
+    x_ok, y_ok = (mgr.Not(mgr.Equals(s, mgr.Real(0))) for s in (x_, y_))
+    # no guard asserted beside the claim (that would prove every equation only where all are defined):
+    # each disjunct carries its own equation's, and the consistency check asserts them all
+    assert enc.guards == () and set(enc.carried) == {x_ok, y_ok}
+    disjuncts = enc.claim.args()
+    assert enc.claim.is_or() and len(disjuncts) == 3
+    assert [set(d.args()) - {d.args()[-1]} for d in disjuncts] == [{x_ok}, set(), {y_ok}]
+    assert x_ok not in enc.formulas() and x_ok in enc.formulas(claim=False)
+    assert prove_all([(div(x, x), const(1)), (mul(y, z), mul(z, y))], solvers=(solver,)).method == METHOD[solver]
+    wrong = prove_all([(div(x, x), const(1)), (add(y, z), mul(z, y))], solvers=(solver,))
+    assert wrong.verdict == "unknown" and "some equation's sides differ" in wrong.reason, wrong
+    assert prove(add(y, z), mul(z, y), solvers=(solver,)).verdict == "refuted"       # one at a time: named, replayed
+    vacuous = prove_all([(div(x, add(x, neg(x))), const(5)), (y, y * 1)], solvers=(solver,))
+    assert vacuous.verdict == "unknown" and "inconsistent" in vacuous.reason, vacuous
+    with pytest.raises(EncodeError, match="no equation"):
+        encode_all([])
 
 
 def test_encoding_is_deterministic():

@@ -50,7 +50,7 @@ from tv_ray.partition.compose import composition_problems
 from tv_ray.partition.derive import Settings, derive
 from tv_ray.partition.generate import in_processes
 from tv_ray.plan import Plan, gc_paused
-from tv_ray.smt import prove
+from tv_ray.smt import prove, prove_all
 from tv_ray.terms import Term
 from tv_ray.terms.normal import NormaliseError, Normaliser, ground_lemmas
 
@@ -115,9 +115,12 @@ def _normalised(lhs: list[Term], rhs: list[Term]) -> str:
 
 
 def _by_smt(lhs: list[Term], rhs: list[Term], solvers: tuple[str, ...], timeout_s: float) -> str:
-    """'' when the SMT solvers prove every equation (with the normaliser's ground lemmas), else why not."""
+    """'' when the SMT solvers prove every equation (with the normaliser's ground lemmas), else why not: all at once
+    in one query (`prove_all`), else one by one, which names the first that fails."""
     if not solvers:
         return "no solver left that did not give the recorded proof"
+    if len(lhs) > 1 and prove_all(zip(lhs, rhs), ground_lemmas(*lhs, *rhs)[0], solvers, timeout_s).proved:
+        return ""
     for i, (a, b) in enumerate(zip(lhs, rhs)):
         lemmas, _ = ground_lemmas(a, b)
         result = prove(a, b, lemmas, solvers, timeout_s)

@@ -5,9 +5,10 @@ equations whose two sides are the very same (interned) term — by reflexivity,
 method ``identical`` (a stage whose like terms were collected, such as the
 loss summed over a whole batch in two associations) — and those whose normal
 forms agree; tier 1 looks for a point where one of the
-rest fails (a counterexample at once); tier 2 races the solvers on each
-equation still open, with the ground lemmas the normaliser can state (each
-exp / log application equals its normal form). The verdict is `proved` only when every equation was
+rest fails (a counterexample at once); tier 2 races the solvers on the
+equations still open, with the ground lemmas the normaliser can state (each
+exp / log application equals its normal form): all of them in one query
+(`prove_all`), else each alone — which names the one that fails. The verdict is `proved` only when every equation was
 proved by a tier that proves; `refuted` when one equation has a replayed
 counterexample; otherwise `unknown` with the reason — never a guess.
 """
@@ -20,7 +21,7 @@ from typing import Sequence
 
 from tv_ray.certificate.outcome import Status, Verdict
 from tv_ray.errors import SettingsError
-from tv_ray.smt import prove_with_record
+from tv_ray.smt import prove_all, prove_with_record
 from tv_ray.smt.solvers import BACKENDS
 from tv_ray.terms import Refuted, Term, refute
 from tv_ray.terms.normal import NormaliseError, Normaliser, ground_lemmas
@@ -92,6 +93,14 @@ def solve(lhs: Sequence[Term], rhs: Sequence[Term], budget: Budget = Budget()) -
     reasons: list[str] = []
     if open_ and 2 in budget.tiers:
         tier = 2
+        if len(open_) > 1:
+            equations = [(lhs[i], rhs[i]) for i in open_]
+            lemmas, used = ground_lemmas(*(t for pair in equations for t in pair))
+            result = prove_all(equations, lemmas, budget.solvers, budget.timeout_s)
+            if result.proved:
+                methods.add(result.method)
+                axioms |= set(result.axioms) | (set(used) if lemmas else set())
+                open_ = []
         still = []
         for i in open_:
             lemmas, used = ground_lemmas(lhs[i], rhs[i])

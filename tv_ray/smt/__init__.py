@@ -11,9 +11,9 @@ verdict names the pysmt solver that gave it: "smt:z3", "smt:cvc5",
     >>> prove(add(x, x), x * 2, solvers=("z3",)).method
     'smt:z3'
 """
-from tv_ray.smt.encode import EncodeError, Encoding, encode
-from tv_ray.smt.portfolio import CheckResult, RaceRecord, SolveRecord, prove, prove_with_record, race
+from tv_ray.smt.encode import EncodeError, Encoding, encode, encode_all
+from tv_ray.smt.portfolio import CheckResult, RaceRecord, SolveRecord, prove, prove_all, prove_with_record, race
 from tv_ray.smt.solvers import Backend, SolverBusy, SolverUnavailable, available_solvers, get_solver
 
-__all__ = ["encode", "Encoding", "EncodeError", "prove", "prove_with_record", "race", "RaceRecord", "SolveRecord",
-           "CheckResult", "Backend", "SolverBusy", "SolverUnavailable", "available_solvers", "get_solver"]
+__all__ = ["encode", "encode_all", "Encoding", "EncodeError", "prove", "prove_all", "prove_with_record", "race",
+           "RaceRecord", "SolveRecord", "CheckResult", "Backend", "SolverBusy", "SolverUnavailable", "available_solvers", "get_solver"]

@@ -1,9 +1,16 @@
-"""Tier 2 encoding: an equation between two scalar terms as pysmt formulas.
+"""Tier 2 encoding: an equation between two scalar terms (or many at once) as pysmt formulas.
 
 The conjunction of `Encoding.formulas()` is satisfiable exactly when the two
 sides differ somewhere both are defined:
 
     definitions ∧ guards ∧ lemmas ∧ ¬(lhs = rhs)
+
+`encode_all` puts many equations in one query, each under its own guards:
+satisfiable exactly when some equation's sides differ somewhere they are
+defined (a stage key's equations proved in one solver call rather than one
+each: `tv_ray.smt.portfolio.prove_all`):
+
+    definitions ∧ lemmas ∧ ⋁ᵢ (guardsᵢ ∧ ¬(lhsᵢ = rhsᵢ))
 
 - variables are pysmt `Real` symbols `x0, x1, …` (numbered by variable name);
 - every application other than `max` is an uninterpreted function
@@ -18,7 +25,9 @@ sides differ somewhere both are defined:
   axioms.
 
 `formulas(claim=False)` drops `¬(lhs = rhs)`: the consistency check of the
-assumptions, without which an unsat claim could be a vacuous proof.
+assumptions, without which an unsat claim could be a vacuous proof (for many
+equations, every equation's guards at once: where they hold together, each
+one's hold).
 Formulas live in pysmt's global environment (its `FNode` methods use that one);
 build and read them in one thread only — pysmt's formula manager is not
 thread-safe. `smtlib()` prints the query as an SMT-LIB script (the form that
@@ -60,6 +69,8 @@ class Encoding:
 
     `variables` maps symbol -> variable name; `applications` maps symbol -> the
     application node it names; `definitions` are the `a<K> = f(args)` equalities.
+    `carried`: guards the claim carries itself (`encode_all`: each equation's
+    within its disjunct), asserted only by the consistency check.
     """
 
     claim: FNode
@@ -69,6 +80,7 @@ class Encoding:
     logic: pysmt.logics.Logic
     variables: dict[FNode, str]
     applications: dict[FNode, Term]
+    carried: tuple[FNode, ...] = ()
 
     @property
     def value_symbols(self) -> tuple[FNode, ...]:
@@ -77,7 +89,9 @@ class Encoding:
 
     def formulas(self, claim: bool = True) -> tuple[FNode, ...]:
         """The assertions of the query; with `claim=False` only the assumptions."""
-        return self.definitions + self.guards + self.lemmas + ((self.claim,) if claim else ())
+        if not claim:
+            return self.definitions + self.guards + self.carried + self.lemmas
+        return self.definitions + self.guards + self.lemmas + (self.claim,)
 
     def formula(self, claim: bool = True) -> FNode:
         """The conjunction of `formulas(claim)`: one assertion, whose shared subterms a printer writes once."""
@@ -124,12 +138,26 @@ def _walk_max(mgr, node: Term, args: list[FNode]) -> FNode:
 
 def encode(lhs: Term, rhs: Term, lemmas: Iterable[tuple[Term, Term]] = ()) -> Encoding:
     """The query `definitions ∧ guards ∧ lemmas ∧ ¬(lhs = rhs)` as pysmt formulas (see the module docstring)."""
+    return _encode(((lhs, rhs),), lemmas)
+
+
+def encode_all(equations: Iterable[tuple[Term, Term]], lemmas: Iterable[tuple[Term, Term]] = ()) -> Encoding:
+    """One query for every equation: `definitions ∧ lemmas ∧ ⋁ᵢ (guardsᵢ ∧ ¬(lhsᵢ = rhsᵢ))` (the module docstring).
+    Unsat exactly when each equation's own query is: the lemmas are ground instances of sound axioms, so asserting
+    the others' too excludes no point; an equation's guards are only those of the divisions in its sides."""
+    equations = tuple(equations)
+    if not equations:
+        raise EncodeError("no equation to encode")
+    return _encode(equations, lemmas)
+
+
+def _encode(equations: tuple[tuple[Term, Term], ...], lemmas: Iterable[tuple[Term, Term]]) -> Encoding:
     lemmas = tuple((a, b) for a, b in lemmas)
     for a, b in lemmas:
         if not isinstance(a, Term) or not isinstance(b, Term):
             raise EncodeError(f"lemma ({a!r}, {b!r}) is not a pair of Terms; ground lemmas are (Term, Term) pairs")
     mgr = get_env().formula_manager
-    nodes = postorder(lhs, rhs, *(t for pair in lemmas for t in pair))
+    nodes = postorder(*(t for pair in equations + lemmas for t in pair))
 
     var_names = sorted({n.payload for n in nodes if n.kind is Kind.VAR}, key=str)
     var_sym = {name: mgr.Symbol(f"x{i}", REAL) for i, name in enumerate(var_names)}
@@ -138,6 +166,7 @@ def encode(lhs: Term, rhs: Term, lemmas: Iterable[tuple[Term, Term]] = ()) -> En
                for i, (name, arity) in enumerate(fun_keys)}
 
     guards: dict[FNode, None] = {}        # ordered and deduplicated (formulas are hash-consed)
+    guard_of: dict[Term, FNode] = {}      # a negative power -> its denominator's guard
     definitions: list[FNode] = []
     applications: dict[FNode, Term] = {}
     nonlinear = False
@@ -169,11 +198,20 @@ def encode(lhs: Term, rhs: Term, lemmas: Iterable[tuple[Term, Term]] = ()) -> En
                 (k is Kind.POW and node.args[0].kind is not Kind.CONST):
             nonlinear = True
         memo[node] = walk[k](node, [memo[a] for a in node.args])
+        if k is Kind.POW and node.payload < 0:       # the guard `_walk_pow` added (hash-consed: the same formula)
+            guard_of[node] = mgr.Not(mgr.Equals(memo[node.args[0]], mgr.Real(0)))
 
-    return Encoding(claim=mgr.Not(mgr.Equals(memo[lhs], memo[rhs])), definitions=tuple(definitions),
-                    guards=tuple(guards), lemmas=tuple(mgr.Equals(memo[a], memo[b]) for a, b in lemmas),
-                    logic=LOGICS[(bool(fun_keys), nonlinear)],
-                    variables={var_sym[n]: n for n in var_names}, applications=applications)
+    lemmas_ = tuple(mgr.Equals(memo[a], memo[b]) for a, b in lemmas)
+    common = dict(definitions=tuple(definitions), lemmas=lemmas_, logic=LOGICS[(bool(fun_keys), nonlinear)],
+                  variables={var_sym[n]: n for n in var_names}, applications=applications)
+    if len(equations) == 1:
+        lhs, rhs = equations[0]
+        return Encoding(claim=mgr.Not(mgr.Equals(memo[lhs], memo[rhs])), guards=tuple(guards), **common)
+    disjuncts = []
+    for lhs, rhs in equations:
+        own = {guard_of[n]: None for n in postorder(lhs, rhs) if n in guard_of} if guard_of else {}
+        disjuncts.append(mgr.And(*own, mgr.Not(mgr.Equals(memo[lhs], memo[rhs]))))
+    return Encoding(claim=mgr.Or(disjuncts), guards=(), carried=tuple(guards), **common)
 
 
-__all__ = ["Encoding", "EncodeError", "INTERPRETED", "LOGICS", "encode"]
+__all__ = ["Encoding", "EncodeError", "INTERPRETED", "LOGICS", "encode", "encode_all"]
