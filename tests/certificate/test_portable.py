@@ -85,6 +85,26 @@ def test_an_edited_logical_graph_is_proved_against_itself_and_the_headline_says_
     assert str(result).startswith("<tv_ray.Result proved: all ") and len(str(result)) < 600
 
 
+def test_the_fresh_capture_runs_in_a_forked_process_beside_the_verification_and_is_made_here_if_it_dies(
+        plan, tmp_path, monkeypatch):
+    import os
+    capture_step = api.capture_step
+
+    def noted(*args, **kwargs):
+        with open(tmp_path / "pids", "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return capture_step(*args, **kwargs)
+
+    monkeypatch.setattr(api, "capture_step", noted)
+    result = api.verify(plan, engine="local", progress=False)
+    pids = (tmp_path / "pids").read_text().split()
+    assert result.proved and result.reference["capture"] == "matches" and pids and str(os.getpid()) not in pids
+    monkeypatch.setattr(api, "_send_reference", lambda plan, sender: os._exit(3))     # dies without answering
+    (tmp_path / "pids").unlink()
+    result = api.verify(plan, engine="local", progress=False)
+    assert result.reference["capture"] == "matches" and (tmp_path / "pids").read_text().split() == [str(os.getpid())]
+
+
 def test_a_plan_without_a_recipe_is_proved_against_its_own_logical_graph(plan):
     result = api.verify(replace(plan, recipe=None), engine="local", progress=False)
     assert result.proved and result.reference["capture"] is None

@@ -143,8 +143,10 @@ def encode(lhs: Term, rhs: Term, lemmas: Iterable[tuple[Term, Term]] = ()) -> En
 
 def encode_all(equations: Iterable[tuple[Term, Term]], lemmas: Iterable[tuple[Term, Term]] = ()) -> Encoding:
     """One query for every equation: `definitions ∧ lemmas ∧ ⋁ᵢ (guardsᵢ ∧ ¬(lhsᵢ = rhsᵢ))` (the module docstring).
-    Unsat exactly when each equation's own query is: the lemmas are ground instances of sound axioms, so asserting
-    the others' too excludes no point; an equation's guards are only those of the divisions in its sides."""
+    Unsat only if no equation's sides differ at a real point where its own divisions are defined: guardsᵢ are
+    those of the divisions in equation i's sides; every lemma holds at every real point, whatever value a division
+    by zero takes (`tv_ray.terms.normal.ground_lemmas`: ground instances of the exp/log axioms, log_mul only on
+    factors known positive), so asserting the other equations' lemmas too, without their guards, excludes none. Every guard is asserted by the consistency check."""
     equations = tuple(equations)
     if not equations:
         raise EncodeError("no equation to encode")
