@@ -124,7 +124,7 @@ def _reference_or_failure(plan: Plan, captured: Graph | None = None) -> dict:
 
 class _ForkedReference:
     """`reference(plan)` made in a forked process from now on, while the caller goes on: its fresh capture of the
-    model (13 s at llama3-405b, one core) runs beside the plan's claims, reduction and mirrors (one core) instead of
+    model (17 s at llama3-70b, one core) runs beside the plan's claims, reduction and mirrors (one core) instead of
     after the whole verification. `result()` waits for it; a process that died without answering is made again
     here. (Forked: the child inherits the plan, and keeps the collector off, so it does not touch — and copy —
     the parent's heap.)"""
@@ -274,9 +274,10 @@ def verify(model_or_plan=None, parallel: str | None = None, *, optim: str = RECI
                                recipe={"optim": optim, "clip": clip, "tied": tied})
     if saved is not None and not resume:
         saved.start(plan, settings)
-    # a plan to capture the model for, again: begun now, beside the verification (`_ForkedReference`)
+    # a plan to capture the model for, again: begun now, beside the verification (`_ForkedReference`), unless
+    # this process may not have children (a daemonic one)
     forked = _ForkedReference(plan) if captured is None and plan.recipe is not None and \
-        plan.model in list_models() else None
+        plan.model in list_models() and not multiprocessing.current_process().daemon else None
     executor = executor or executor_for(engine, jobs, address)
     if hasattr(executor, "connect"):
         _note(progress, f"connecting to Ray ({executor.address or 'a new local Ray on this machine'}) …")

@@ -6,6 +6,7 @@ import gzip
 import json
 import shutil
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
@@ -101,6 +102,12 @@ def test_the_fresh_capture_runs_in_a_forked_process_beside_the_verification_and_
     assert result.proved and result.reference["capture"] == "matches" and pids and str(os.getpid()) not in pids
     monkeypatch.setattr(api, "_send_reference", lambda plan, sender: os._exit(3))     # dies without answering
     (tmp_path / "pids").unlink()
+    result = api.verify(plan, engine="local", progress=False)
+    assert result.reference["capture"] == "matches" and (tmp_path / "pids").read_text().split() == [str(os.getpid())]
+    monkeypatch.undo()
+    monkeypatch.setattr(api, "capture_step", noted)
+    monkeypatch.setattr(api.multiprocessing, "current_process", lambda: SimpleNamespace(daemon=True))
+    (tmp_path / "pids").unlink()         # a daemonic process may not have children: captured here
     result = api.verify(plan, engine="local", progress=False)
     assert result.reference["capture"] == "matches" and (tmp_path / "pids").read_text().split() == [str(os.getpid())]
 
