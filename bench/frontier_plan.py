@@ -3,7 +3,9 @@
     python bench/frontier_plan.py [--model llama3-405b] [--parallel dp=64,tp=8,pp=16,mb=16] [--out DIR]
 
 Writes bench/results/frontier_plan-MODEL.json with the phase times (capture,
-parallelize, save), peak RSS and the plan file size.
+parallelize, save), peak RSS and the plan file size, and side by side the plan
+written with microbatch repeats (the default) and written out (`repeats=False`):
+JSON and gzip sizes, save and load seconds (each load in a fresh process).
 """
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import argparse
 import json
 import os
 import resource
+import subprocess
+import sys
 import time
 
 import tv_ray
@@ -35,18 +39,35 @@ def main() -> None:
     t2 = time.perf_counter()
     plan.save(path)
     t3 = time.perf_counter()
+    forms = {}
+    for name, repeats in (("repeats", True), ("written_out", False)):
+        for suffix in ("", ".gz"):
+            target = f"{path}.{name}{suffix}"
+            started = time.perf_counter()
+            plan.save(target, repeats=repeats)
+            forms[f"{name}{suffix}"] = {"mb": round(os.path.getsize(target) / 1e6, 1),
+                                        "save_s": round(time.perf_counter() - started, 1),
+                                        "load_s": _load_seconds(target)}
     result = {
         "model": args.model, "parallel": args.parallel, "dims": dims, "optim": args.optim, "ranks": plan.num_ranks,
         "logical_ops": len(graph.nodes), "programs": len(plan.programs),
         "ops_per_program": {name: len(p.nodes) for name, p in plan.programs.items()},
         "seconds": {"capture": round(t1 - t0, 1), "parallelize": round(t2 - t1, 1), "save": round(t3 - t2, 1)},
         "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
-        "file_mib": round(os.path.getsize(path) / 2**20, 1),
+        "file_mib": round(os.path.getsize(path) / 2**20, 1), "forms": forms,
     }
     os.makedirs("bench/results", exist_ok=True)
     with open(f"bench/results/frontier_plan-{args.model}.json", "w") as f:
         json.dump(result, f, indent=2)
     print(json.dumps(result))
+
+
+def _load_seconds(path: str) -> float:
+    """`Plan.load(path)` timed in a fresh process."""
+    code = ("import time; from tv_ray.plan import Plan; t = time.perf_counter(); Plan.load(%r); "
+            "print(time.perf_counter() - t)" % path)
+    return round(float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                      check=True).stdout), 1)
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ import numpy as np
 
 from tv_ray.errors import PlanError
 from tv_ray.ir import Graph
+from tv_ray.plan_repeats import compact_entries, compact_ops, expand
 
 FORMAT = "tv-ray-plan/1"
 GZIP_MAGIC = b"\x1f\x8b"
@@ -398,7 +399,7 @@ class Plan:
     def from_json(obj: Any, check: bool = True) -> "Plan":
         """Parse a plan object and (unless `check=False`) validate all of it; raises PlanError."""
         with gc_paused():
-            plan = _parse(obj)
+            plan = _parse(expand(obj))
             if check:
                 from tv_ray.plan_check import check_plan
                 check_plan(plan)
@@ -425,25 +426,35 @@ class Plan:
             del text
             return Plan.from_json(obj)
 
-    def save(self, path: str | Path) -> None:
+    def save(self, path: str | Path, repeats: bool = True) -> None:
         """Write the plan as JSON with one input, op or lineage entry per line (readable diffs); gzip-compressed
-        when `path` ends in `.gz` (a frontier plan's microbatches and layers repeat: llama3-405b at
-        dp=64,tp=8,pp=16,mb=16 is 214 MiB of JSON, 12.9 MiB compressed). The same plan gives the same bytes
-        either way (no time stamp).
+        when `path` ends in `.gz`. Each run of microbatch k's ops (and intermediate lineage) that is microbatch
+        0's renamed is written as a repeat (`tv_ray.plan_repeats`; `repeats=False`: every op written out):
+        llama3-405b at dp=64,tp=8,pp=16,mb=16 is 224 MB of JSON written out, 13.6 MB compressed. The same plan
+        gives the same bytes either way (no time stamp).
 
-        The text is `dumps(plan.to_json())`, written program by program.
+        The text is `dumps(...)` of `to_json()` with its repeats, written program by program.
         """
         with gc_paused(), open(path, "wb") as raw:
             sink = gzip_writer(raw) if str(path).endswith(".gz") else raw
             with io.TextIOWrapper(sink, encoding="utf-8", newline="") as out:
-                out.writelines(_pieces(self._json_fields()))
+                out.writelines(_pieces(self._json_fields(repeats)))
 
-    def _json_fields(self) -> dict:
-        """`to_json` with the graphs left as Graph objects, for `_pieces` to write one at a time."""
+    def _json_fields(self, repeats: bool) -> dict:
+        """`to_json` with each program left as a function making its JSON, for `_pieces` to write one at a
+        time."""
+        def program(graph: Graph) -> Callable[[], dict]:
+            def made() -> dict:
+                obj = graph.to_json()
+                return {**obj, "ops": compact_ops(obj["ops"], self.microbatches)} if repeats else obj
+            return made
+        optional = self._optional_json()
+        if repeats and "interior" in optional:
+            optional["interior"] = compact_entries(optional["interior"], self.microbatches)
         return {"format": self.format, "model": self.model, "dims": dict(self.dims), "mesh": dict(self.mesh),
-                "microbatches": self.microbatches, "schedule": self.schedule, "logical": self.logical,
-                "programs": dict(self.programs), "ranks": self.ranks.to_json(),
-                "lineage": [e.to_json() for e in self.lineage], **self._optional_json()}
+                "microbatches": self.microbatches, "schedule": self.schedule, "logical": self.logical.to_json,
+                "programs": {name: program(graph) for name, graph in self.programs.items()},
+                "ranks": self.ranks.to_json(), "lineage": [e.to_json() for e in self.lineage], **optional}
 
     def _optional_json(self) -> dict:
         out = {"interior": [e.to_json() for e in self.interior]} if self.interior else {}
@@ -568,8 +579,8 @@ def dumps(obj: dict) -> str:
 
 
 def _pieces(obj: dict) -> Iterator[str]:
-    """The text of `dumps(obj)` in pieces. A value may be a `Graph`, turned into JSON only when
-    reached, so `Plan.save` never holds more than one program's JSON form."""
+    """The text of `dumps(obj)` in pieces. A value may be a function making it, called only when reached, so
+    `Plan.save` never holds more than one program's JSON form."""
     compact = _compact_encoder()
     yield "{\n"
     for i, (key, value) in enumerate(obj.items()):
@@ -579,8 +590,8 @@ def _pieces(obj: dict) -> Iterator[str]:
 
 
 def _layout(value: Any, depth: int, indent: int, compact: Callable[[Any], str]) -> Iterator[str]:
-    if isinstance(value, Graph):
-        value = value.to_json()
+    if callable(value):
+        value = value()
     if depth == 0 or not isinstance(value, (dict, list)) or not value:
         yield compact(value)
         return

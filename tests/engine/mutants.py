@@ -204,7 +204,7 @@ def with_program(plan: Plan, name: str, graph: Graph, overrides: Iterable[int] =
 def a1_allreduce_identity(plan: Plan) -> Mutant:
     """A1: the tp all-reduce after layers.1's attention output projection (forward, microbatch 0) becomes
     an identity (clone): each tp rank continues with its own partial sum."""
-    target = "_unsafe_view_18@0~9"
+    target = "_unsafe_view_18@0~1"
     old, graph = _with_op(plan, "stage1", target, "clone")
     return Mutant("A1", with_program(plan, "stage1", graph),
                   f"stage1 (ranks 4-7): {target} = all_reduce({old.args[0]}, tp) replaced by clone "
@@ -216,7 +216,7 @@ def a1_allreduce_identity(plan: Plan) -> Mutant:
 def a2_allreduce_dropped(plan: Plan) -> Mutant:
     """A2: the dp all-reduce of layers.0.mlp.down_proj's weight gradient is removed; its readers (the
     gradient output, the norm and the optimizer) read the local, unreduced sum instead."""
-    target, source = "t_50~60", "t_50~59"
+    target, source = "t_50~2", "t_50~1"
     graph = edit(plan.programs["stage0"], "stage0", drop=[target], rename_args={target: source})
     return Mutant("A2", with_program(plan, "stage0", graph),
                   f"stage0 (ranks 0-3): {target} = all_reduce({source}, dp) dropped; readers use {source} "
@@ -230,7 +230,7 @@ def a3_allreduce_to_allgather(plan: Plan) -> Mutant:
     becomes an all-gather. Gathering doubles dim 0, so — the closest well-formed version — each rank
     then keeps the first member's chunk (slice 0:batch*seq/4): tp rank 0 its own partial sum, tp rank 1
     rank 0's, instead of the sum of both."""
-    target = "view_37@0~31"
+    target = "view_37@0~1"
     old = node(plan, "stage1", target)
     rows = old.shape[0]
     gathered = _like(old, f"{target}.gathered", "all_gather", old.args, {"axes": ["tp"], "dim": 0},
@@ -279,7 +279,7 @@ def _a4(plan: Plan, bug: bool) -> Mutant:
         "embedding.rows@0": new_nodes + [_set_args(rows0, "embedding.flat@0", full.name)],
         "embedding.rows@1": _set_args(rows1, "embedding.flat@1", full.name),
     }
-    for reduced_name in ("embedding@0~3", "embedding@1~4"):   # the whole table gives whole rows: no all-reduce
+    for reduced_name in ("embedding@0~1", "embedding@1~1"):   # the whole table gives whole rows: no all-reduce
         old = prog.value(reduced_name)
         change[reduced_name] = _like(old, reduced_name, "clone", old.args)
     graph = edit(prog, "stage0", change=change, drop=["embedding.flat~1", "embedding.flat~2"])
@@ -296,7 +296,7 @@ def _a4(plan: Plan, bug: bool) -> Mutant:
 def a5_reduce_scatter_without_reduce(plan: Plan) -> Mutant:
     """A5: the backward fused collective of the embedding gradient (reduce_scatter over tp) loses its
     reduce: each tp rank keeps its own chunk of its own partial gradient (local_chunk)."""
-    target = "embedding_dense_backward~83"
+    target = "embedding_dense_backward~3"
     old, graph = _with_op(plan, "stage0", target, "local_chunk", {"axes": ["tp"], "dim": 0})
     return Mutant("A5", with_program(plan, "stage0", graph),
                   f"stage0 (ranks 0-3): {target} = reduce_scatter({old.args[0]}, tp, dim 0) replaced by "
@@ -389,9 +389,9 @@ def a11_rope_backward_swapped(plan: Plan) -> Mutant:
 def _local_token_count(plan: Plan, program: str) -> Graph:
     target = "nll_loss_backward.per_token"
     old = node(plan, "stage1", target)
-    assert old.args[1] == "nll_loss_forward_total_weight~22"
+    assert old.args[1] == "nll_loss_forward_total_weight~2"
     return edit(plan.programs["stage1"], program,
-                change={target: _set_args(old, old.args[0], "nll_loss_forward_total_weight~21")})
+                change={target: _set_args(old, old.args[0], "nll_loss_forward_total_weight~1")})
 
 
 def a12_divisor_one_rank(plan: Plan) -> Mutant:
@@ -401,7 +401,7 @@ def a12_divisor_one_rank(plan: Plan) -> Mutant:
     graph = _local_token_count(plan, "stage1_r6")
     return Mutant("A12", with_program(plan, "stage1_r6", graph, overrides=[6]),
                   "rank 6 runs stage1_r6: nll_loss_backward.per_token = div(neg, total_weight) divides by "
-                  "nll_loss_forward_total_weight~21 (local count) instead of ~22 (dp all-reduced) (loss, bwd)",
+                  "nll_loss_forward_total_weight~1 (local count) instead of ~2 (dp all-reduced) (loss, bwd)",
                   "stage1_r6", (6,), ("nll_loss_backward.per_token",), "", "bwd",
                   ("",))
 
@@ -410,8 +410,8 @@ def a13_divisor_several_ranks(plan: Plan) -> Mutant:
     """A13: A12's divisor change on every rank of pipeline stage 1 (ranks 4-7)."""
     graph = _local_token_count(plan, "stage1")
     return Mutant("A13", with_program(plan, "stage1", graph),
-                  "stage1 (ranks 4-7): nll_loss_backward.per_token divides by nll_loss_forward_total_weight~21 "
-                  "(local count) instead of ~22 (dp all-reduced) (loss, bwd)",
+                  "stage1 (ranks 4-7): nll_loss_backward.per_token divides by nll_loss_forward_total_weight~1 "
+                  "(local count) instead of ~2 (dp all-reduced) (loss, bwd)",
                   "stage1", STAGE1, ("nll_loss_backward.per_token",), "", "bwd",
                   ("",))
 
@@ -420,16 +420,16 @@ def a14_reducer_before_last_microbatch(plan: Plan) -> Mutant:
     """A14: the dp gradient reducer of layers.0.mlp.up_proj.weight is launched as soon as microbatch 0's
     gradient t_54@0 exists; microbatch 1's gradient t_54@1 is added afterwards, unreduced."""
     prog = plan.programs["stage0"]
-    acc, reduced = prog.value("t_54~61"), prog.value("t_54~62")
-    assert acc.args == ("t_54@0", "t_54@1") and reduced.args == ("t_54~61",)
+    acc, reduced = prog.value("t_54~1"), prog.value("t_54~2")
+    assert acc.args == ("t_54@0", "t_54@1") and reduced.args == ("t_54~1",)
     early = _like(reduced, "t_54@0~early", "all_reduce", ["t_54@0"], dict(reduced.attrs))
-    late = _like(acc, "t_54~62", "add", [early.name, "t_54@1"])
-    graph = edit(prog, "stage0", after={"t_54@0": [early]}, drop=["t_54~61"], change={"t_54~62": late})
+    late = _like(acc, "t_54~2", "add", [early.name, "t_54@1"])
+    graph = edit(prog, "stage0", after={"t_54@0": [early]}, drop=["t_54~1"], change={"t_54~2": late})
     return Mutant("A14", with_program(plan, "stage0", graph),
-                  "stage0 (ranks 0-3): t_54~62 = all_reduce(t_54@0 + t_54@1, dp) becomes all_reduce(t_54@0, dp) "
+                  "stage0 (ranks 0-3): t_54~2 = all_reduce(t_54@0 + t_54@1, dp) becomes all_reduce(t_54@0, dp) "
                   "issued right after microbatch 0's gradient, + t_54@1 unreduced "
                   "(grad of layers.0.mlp.up_proj.weight, bwd)",
-                  "stage0", STAGE0, (early.name, "t_54~62"), "layers.0.mlp.up_proj", "bwd",
+                  "stage0", STAGE0, (early.name, "t_54~2"), "layers.0.mlp.up_proj", "bwd",
                   ("layers.0.mlp.up_proj",))
 
 

@@ -80,15 +80,18 @@ class Lowering:
         self.output_layouts: dict[str, Layout] = {}
         self.values: dict[str, Local] = {}
         self._cache: dict[tuple, Local] = {}
-        self._count = 0
+        self._counts: dict[str, int] = {}      # base name -> how many fresh names it has given
         self._shapes: dict[Layout, tuple[Expr, ...]] = {}
         # what each local name holds: (logical tensor, layout, microbatch copy or None) — intermediate lineage
         self.holds: dict[str, tuple[str, Layout, int | None]] = {}
 
     # -- building blocks ---------------------------------------------------------------
     def _fresh(self, base: str) -> str:
-        self._count += 1
-        return f"{base}~{self._count}"
+        """A new name `base~n`, numbered per base: microbatch k's copy of an op is named as microbatch 0's with
+        the tag `@0` read `@k` (`embedding@0~1`, `embedding@1~1`), which lets a plan file write microbatch k's
+        ops as a repeat of microbatch 0's (`tv_ray.plan_repeats`)."""
+        n = self._counts[base] = self._counts.get(base, 0) + 1
+        return f"{base}~{n}"
 
     def _hold(self, local: Local, logical: str | None) -> Local:
         if logical is not None:
