@@ -249,6 +249,7 @@ def verify(model_or_plan=None, parallel: str | None = None, *, optim: str = RECI
         if saved is None or model_or_plan is not None:
             raise ParallelConfigError("resume continues the run in checkpoint=OUT: give that, and no plan or model")
         plan, settings = saved.resume()
+        plan_path = str(saved.plan_file)
         budget = Budget(solvers=tuple(settings["solvers"]), timeout_s=settings["timeout_s"], seed=settings["seed"])
     else:
         # a solver or timeout that cannot be used fails here, before any capture
@@ -273,7 +274,7 @@ def verify(model_or_plan=None, parallel: str | None = None, *, optim: str = RECI
             plan = parallelize(captured, parallel, model=model_or_plan, dims=dims, sp=sp, zero=zero,
                                recipe={"optim": optim, "clip": clip, "tied": tied})
     if saved is not None and not resume:
-        saved.start(plan, settings)
+        saved.start(plan, settings, source=plan_path)
     # a plan to capture the model for, again: begun now, beside the verification (`_ForkedReference`), unless
     # this process may not have children (a daemonic one)
     forked = _ForkedReference(plan) if captured is None and plan.recipe is not None and \

@@ -76,6 +76,21 @@ def test_a_stopped_run_resumes_solving_only_what_is_missing(plan, tmp_path):
     assert _content(out) == _content(tmp_path / "fresh")
 
 
+def test_a_plan_read_from_a_file_is_kept_as_that_files_bytes_never_written_again(plan, tmp_path, monkeypatch):
+    """The checkpoint and the certificate copy the plan file (llama3-405b: writing it again took 9 s each)."""
+    source, out = tmp_path / "plan.json", tmp_path / "out"
+    plan.save(source)
+    monkeypatch.setattr(type(plan), "save", lambda *a, **k: pytest.fail("the plan was written again"))
+    with pytest.raises(KeyboardInterrupt):
+        api.verify(str(source), solvers=("z3",), executor=Stops(5), checkpoint=out, progress=False)
+    kept = out / "checkpoint" / "plan.json.gz"
+    assert gzip.decompress(kept.read_bytes()) == source.read_bytes()
+    result = api.verify(checkpoint=out, resume=True, executor=LocalExecutor(), progress=False)
+    assert result.proved
+    result.save(out)
+    assert (out / "plan.json.gz").read_bytes() == kept.read_bytes()
+
+
 def test_a_killed_cli_run_resumes_from_its_checkpoint(tmp_path):
     out = tmp_path / "out"
     # every key solved 30 ms late (tests/engine/faults.py): the run always has keys left when it is killed

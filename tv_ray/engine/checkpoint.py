@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 
 from tv_ray.engine.solve import Verdict
 from tv_ray.errors import CheckpointError
-from tv_ray.plan import Plan
+from tv_ray.plan import Plan, pack
 
 PLAN = "plan.json.gz"       # gzip-compressed (`Plan.save`): a frontier plan's JSON is ~100 MiB
 FLUSH_ROWS = 2000
@@ -51,26 +51,35 @@ class Checkpoint:
         self._parts = 0
         self._digests: dict[str, str] = {}        # part file name -> SHA-256 (`parts.json`)
 
+    @property
+    def plan_file(self) -> Path:
+        """The copy of the run's plan (gzip-compressed)."""
+        return self.dir / PLAN
+
     # -- starting and resuming ------------------------------------------------------------------
-    def start(self, plan: Plan, settings: dict) -> None:
-        """A new run: clear any old checkpoint, keep the plan and the settings."""
+    def start(self, plan: Plan, settings: dict, source: str | Path | None = None) -> None:
+        """A new run: clear any old checkpoint, keep the plan and the settings. `source`: the file `plan` was read
+        from, copied as it is (compressed) rather than written again (llama3-405b: 9 s)."""
         if self.dir.exists():
             for f in self.dir.iterdir():
                 f.unlink()
         self.dir.mkdir(parents=True, exist_ok=True)
-        plan.save(self.dir / PLAN)
-        run = {"plan_sha256": sha256_file(self.dir / PLAN), "settings": settings}
+        if source is None:
+            plan.save(self.plan_file)
+        else:
+            pack(source, self.plan_file)
+        run = {"plan_sha256": sha256_file(self.plan_file), "settings": settings}
         _atomic_write(self.dir / "run.json", json.dumps(run, indent=1, sort_keys=True) + "\n")
 
     def resume(self) -> tuple[Plan, dict]:
         """The checkpoint's plan and settings, its solved keys loaded (`verdicts`)."""
         try:
             run = json.loads((self.dir / "run.json").read_text())
-            digest = sha256_file(self.dir / PLAN)
+            digest = sha256_file(self.plan_file)
         except (OSError, ValueError) as err:
             raise CheckpointError(f"{self.dir}: no checkpoint to resume ({err})") from None
         if digest != run["plan_sha256"]:
-            raise CheckpointError(f"{self.dir / PLAN} was changed after the run started (SHA-256 "
+            raise CheckpointError(f"{self.plan_file} was changed after the run started (SHA-256 "
                                   f"{digest[:12]}…, recorded {run['plan_sha256'][:12]}…)")
         try:
             self._digests = json.loads((self.dir / "parts.json").read_text())
@@ -93,7 +102,7 @@ class Checkpoint:
             for row in table.to_pylist():
                 self.verdicts[row["key"]] = _verdict(row)
         self._parts = max((int(p.stem.split("-")[1]) for p in self.dir.glob("part-*.parquet")), default=0)
-        return Plan.load(self.dir / PLAN), run["settings"]
+        return Plan.load(self.plan_file), run["settings"]
 
     # -- streaming --------------------------------------------------------------------------------
     def add(self, key: str, verdict: Verdict) -> None:
