@@ -9,8 +9,8 @@ import pytest
 from tv_ray import api
 from tv_ray.errors import PlanError
 from tv_ray.ir import Node
-from tv_ray.plan import Plan
-from tv_ray.plan_repeats import compact_entries, compact_ops, expand
+from tv_ray.plan import Lineage, Plan
+from tv_ray.plan_repeats import compact_entries, compact_ops, expand, expand_entries, nodes_of
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +102,7 @@ def test_expanding_leaves_the_callers_object_as_it_was(plan, tmp_path):
      "interior[0].count: 1 from 0 runs past what comes before the repeat (0 there)"),
 ])
 def test_a_malformed_repeat_is_refused_naming_its_place_in_the_file(where, repeat, message):
+    """Alike written out as JSON (`expand`) and as a loaded plan's nodes and entries (`nodes_of`)."""
     ops = [{"out": "a@0", "op": "neg", "args": ["x@0"], "shape": [2]},
            {"out": "w2", "op": "neg", "args": ["w"], "shape": [2]}]
     obj = {"microbatches": 2, "programs": {"p": {"ops": ops + ([repeat] if where == "ops" else [])}},
@@ -109,6 +110,23 @@ def test_a_malformed_repeat_is_refused_naming_its_place_in_the_file(where, repea
     with pytest.raises(PlanError) as err:
         expand(obj)
     assert str(err.value) == message
+    with pytest.raises(PlanError) as err:
+        if where == "ops":
+            nodes_of(2)(obj["programs"]["p"]["ops"], "programs.p.ops")
+        else:
+            expand_entries(obj["interior"], 2, "interior", Lineage.from_json, lambda e, k: e.renamed(k, 2))
+    assert str(err.value) == message
+
+
+def test_a_loaded_plans_repeats_are_the_nodes_and_entries_written_out(plan, tmp_path):
+    """`Plan.load` makes the nodes and entries a repeat stands for from the ones it copies, never from JSON:
+    the same plan as parsing the JSON written out."""
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    written = json.loads(path.read_text())
+    loaded, parsed = Plan.from_json(written), Plan.from_json(expand(written))
+    assert loaded == parsed == plan
+    assert [n.meta for n in loaded.programs["stage0"].nodes] == [n.meta for n in plan.programs["stage0"].nodes]
 
 
 def test_a_repeat_that_renames_onto_an_existing_op_is_refused_by_the_plan_check(plan):

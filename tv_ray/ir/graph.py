@@ -11,7 +11,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from tv_ray.errors import GraphError, TvRayError
 from tv_ray.ir.dims import Expr
@@ -480,7 +480,10 @@ class Graph:
                 "outputs": dict(self.outputs)}
 
     @staticmethod
-    def from_json(obj: Any, path: str = "", name: str = "graph", cls=GraphError) -> "Graph":
+    def from_json(obj: Any, path: str = "", name: str = "graph", cls=GraphError,
+                  nodes_of: Callable[[list, str], Iterable[Node]] | None = None) -> "Graph":
+        """`nodes_of(ops, path of ops)`: the nodes of the `ops` list, if not each op parsed (a plan's microbatch
+        repeats, `tv_ray.plan_repeats`)."""
         if not isinstance(obj, dict):
             raise _error(cls, path, f"expected an object with inputs, ops, outputs; got {type(obj).__name__}")
         unknown = set(obj) - {"inputs", "ops", "outputs"}
@@ -497,7 +500,8 @@ class Graph:
             raise _error(cls, f"{path}.outputs", "expected an object mapping output names to tensor names")
         inputs = tuple(TensorSpec.from_json(o, f"{path}.inputs[{i}]", cls) for i, o in enumerate(obj["inputs"]))
         nodes = tuple(_node_fast(o) or Node._from_json_checked(o, f"{path}.ops[{i}]", cls)
-                      for i, o in enumerate(obj["ops"]))
+                      for i, o in enumerate(obj["ops"])) if nodes_of is None else tuple(nodes_of(obj["ops"],
+                                                                                              f"{path}.ops"))
         graph = Graph(inputs, nodes, tuple(obj["outputs"].items()), name)
         check_names(graph, path, cls)
         return graph
