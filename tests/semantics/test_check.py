@@ -96,3 +96,19 @@ def test_memo_is_per_dims_and_keeps_no_failures():
     err = check_error(g, dims={"n": 7})   # the memo of n=6 is not reused; the first user of n/3 is named
     assert str(err).startswith("node a = view(x): shape expression n/3 is not an integer at {'n': 7}: 7/3")
     assert err.node == "a"
+
+
+def test_an_op_repeated_on_arguments_shaped_alike_is_checked_once_and_anything_else_again():
+    """The check remembers the ops that passed by op, attributes, stated shape and dtype and argument shapes and
+    dtypes: a repeat passes, a repeat that states another shape or reads other shapes is checked and named."""
+    ok = Node.make("mm_3", "mm", ["view_2", "t_1"], shape=[6, 24])
+    again = Node.make("mm_4", "mm", ["view_2", "t_1"], shape=[6, 24])
+    check_graph(graph(ok, again))
+    err = check_error(graph(ok, again, Node.make("mm_5", "mm", ["view_2", "t_1"], shape=[6, 10])))
+    assert str(err) == ("node mm_5 = mm(view_2, t_1): stated shape [6, 10] but mm of [6, 12] and [12, 24] "
+                        "gives [6, 24]; fix the stated shape or the inputs")
+    wide = spec("t_2", 12, 30)
+    err = check_error(graph(ok, Node.make("mm_6", "mm", ["view_2", "t_2"], shape=[6, 24]),
+                            inputs=(spec("view_2", 6, 12), spec("t_1", 12, 24), wide)))
+    assert str(err) == ("node mm_6 = mm(view_2, t_2): stated shape [6, 24] but mm of [6, 12] and [12, 30] "
+                        "gives [6, 30]; fix the stated shape or the inputs")

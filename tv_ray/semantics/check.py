@@ -78,9 +78,21 @@ def check_graph(graph: Graph, dims: Dims | None = None, ctx: Context = Context()
         shapes[spec.name] = tuple(spec.shape) if dims is None else instantiate(tuple(spec.shape), dims)
         dtypes[spec.name] = spec.dtype
     rules_of: dict = {}
+    # (op, attributes, stated shape and dtype, argument shapes and dtypes) -> the stated shape, of the nodes that
+    # passed: the rules are functions of these alone, so an op repeated on arguments shaped alike (every layer's,
+    # every microbatch's) passes again without them
+    passed: dict[tuple, tuple] = {}
     for node in graph.nodes:
         in_shapes = [shapes[a] for a in node.args]
         in_dtypes = [dtypes[a] for a in node.args]
+        key = (node.op, node.attrs, node.shape, node.dtype, tuple(in_shapes), tuple(in_dtypes))
+        try:
+            stated = passed.get(key)
+        except TypeError:          # an attribute that does not hash: checked every time
+            key = stated = None
+        if stated is not None:
+            shapes[node.name], dtypes[node.name] = stated, node.dtype
+            continue
         rules = rules_of.get(node.op) or rules_of.setdefault(node.op, rule_for(node.op))
         try:
             attrs = node.attr if at is None else at.attrs(node.attrs)
@@ -100,3 +112,5 @@ def check_graph(graph: Graph, dims: Dims | None = None, ctx: Context = Context()
                                                f"{', '.join(in_dtypes) or 'no inputs'} gives {dtype}; "
                                                f"fix the stated dtype")
         shapes[node.name], dtypes[node.name] = stated, node.dtype
+        if key is not None:
+            passed[key] = stated
