@@ -201,7 +201,7 @@ def expand_entries(entries: list, microbatches: Any, path: str, literal: Callabl
         return copy_entry(entry, k, microbatches)
 
     return _expand(entries, path, microbatches, int, lambda index, where: index, copy, lambda entry, at: None,
-                   **({"literal": literal} if literal is not None else {}))
+                   literal or (lambda entry, where: entry))
 
 
 # -- writing ----------------------------------------------------------------------------------
