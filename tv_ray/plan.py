@@ -55,7 +55,7 @@ import numpy as np
 
 from tv_ray.errors import PlanError
 from tv_ray.ir import Graph
-from tv_ray.plan_repeats import compact_entries, compact_ops, expand_entries, has_repeat, nodes_of, rename
+from tv_ray.plan_repeats import compact, compact_nodes, expand_entries, nodes_of, rename
 
 FORMAT = "tv-ray-plan/1"
 GZIP_MAGIC = b"\x1f\x8b"
@@ -124,7 +124,8 @@ class Lineage:
         return out
 
     def renamed(self, k: int, microbatches: int) -> "Lineage":
-        """This entry of microbatch 0's tensor as microbatch k's (a repeat, `tv_ray.plan_repeats.copy_entry`)."""
+        """This entry of microbatch 0's tensor as microbatch k's (a repeat, `tv_ray.plan_repeats`): its tensor
+        renamed, each fixed split factor {index 0, of `microbatches`} at index k."""
         mb = Fixed(0, microbatches)
         return Lineage(self.where, rename(self.tensor, k), self.logical,
                        tuple((dim, tuple(Fixed(k, microbatches) if f == mb else f for f in factors))
@@ -453,11 +454,15 @@ class Plan:
         def program(graph: Graph) -> Callable[[], dict]:
             def made() -> dict:
                 obj = graph.to_json()
-                return {**obj, "ops": compact_ops(obj["ops"], self.microbatches)} if repeats else obj
+                if repeats:
+                    obj["ops"] = _written(obj["ops"], compact_nodes(graph.nodes, self.microbatches))
+                return obj
             return made
         optional = self._optional_json()
         if repeats and "interior" in optional:
-            optional["interior"] = compact_entries(optional["interior"], self.microbatches)
+            optional["interior"] = _written(optional["interior"], compact(
+                self.interior, self.microbatches, lambda e: (e.tensor, e.where),
+                lambda e, k: e.renamed(k, self.microbatches), lambda at: at))
         return {"format": self.format, "model": self.model, "dims": dict(self.dims), "mesh": dict(self.mesh),
                 "microbatches": self.microbatches, "schedule": self.schedule, "logical": self.logical.to_json,
                 "programs": {name: program(graph) for name, graph in self.programs.items()},
@@ -509,8 +514,7 @@ def _parse(obj: Any) -> Plan:
     if not isinstance(obj["programs"], dict) or not obj["programs"]:
         raise PlanError("programs: expected an object mapping program names to programs")
     repeats = nodes_of(microbatches)
-    programs = {name: Graph.from_json(prog, f"programs.{name}", name, PlanError,
-                                      repeats if isinstance(prog, dict) and has_repeat(prog.get("ops")) else None)
+    programs = {name: Graph.from_json(prog, f"programs.{name}", name, PlanError, repeats)
                 for name, prog in obj["programs"].items()}
     ranks = _parse_ranks(obj["ranks"], reduce(mul, mesh.values(), 1))
     if not isinstance(obj["lineage"], list):
@@ -586,6 +590,11 @@ _EXPAND = {"logical": 2, "programs": 3, "lineage": 1, "interior": 1}
 def dumps(obj: dict) -> str:
     """Plan JSON with one top-level field, input, op, output or lineage entry per line."""
     return "".join(_pieces(obj))
+
+
+def _written(items: list, plan: list[int | dict]) -> list:
+    """The JSON `items` as `compact` plans them: an index as that item, a repeat as it is."""
+    return [items[x] if isinstance(x, int) else x for x in plan]
 
 
 def _pieces(obj: dict) -> Iterator[str]:

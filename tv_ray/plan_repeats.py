@@ -19,17 +19,19 @@ fixed split factor ``{"index": 0, "of": M}`` (M the plan's microbatches) at
 index 3. Everything else is copied as it is.
 
 A loaded plan holds every op and entry a repeat stands for, made from the
-parsed ones it copies (`nodes_of`, `expand_entries`: the same plan as parsing
-the JSON that `expand` writes out, without that JSON; llama3-405b loads in
-16.5 s against 26.0), so what is checked and verified is the plan with every
-op written out — a repeat is notation, never an assumption. `compact` writes one only where its expansion is exactly
-the ops or entries it replaces, so a microbatch that computes anything else
-stays written out where it differs.
+parsed ones it copies (`nodes_of`, `expand_entries`; llama3-405b loads in
+16.5 s against 26.0 when the copies were parsed from JSON written out), so
+what is checked and verified is the plan with every op written out — a repeat
+is notation, never an assumption. The writer (`compact`) renames with the very
+functions the loader uses (`renamed_node`, `Lineage.renamed`) and writes a
+repeat only where that gives exactly the ops or entries it replaces, so a
+saved plan loads as itself, and a microbatch that computes anything else stays
+written out where it differs.
 """
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Hashable, Sequence
 
 from tv_ray.errors import PlanError
 from tv_ray.ir import Node
@@ -45,59 +47,17 @@ def rename(name: str, k: int) -> str:
     return _TAG.sub(f"@{k}", name)
 
 
-def copy_op(op: dict, k: int) -> dict:
-    """Op `op` (JSON) of microbatch 0 as microbatch k's."""
-    out = dict(op)
-    out["out"] = rename(op["out"], k)
-    out["args"] = [rename(a, k) for a in op["args"]]
-    meta = op.get("meta")
-    if meta is not None and meta.get("mb") == 0:
-        out["meta"] = {**meta, "mb": k}
-    return out
-
-
-def copy_entry(entry: dict, k: int, microbatches: int) -> dict:
-    """Lineage entry `entry` (JSON) of microbatch 0's tensor as microbatch k's."""
-    out = dict(entry)
-    out["tensor"] = rename(entry["tensor"], k)
-    if "slice" in entry:
-        out["slice"] = [{**cut, "split": [{"index": k, "of": f["of"]} if _is_mb_factor(f, microbatches) else f
-                                          for f in cut["split"]]} for cut in entry["slice"]]
-    return out
-
-
-def _is_mb_factor(factor: Any, microbatches: int) -> bool:
-    return isinstance(factor, dict) and factor.get("index") == 0 and factor.get("of") == microbatches
+def renamed_node(node: Node, k: int) -> Node:
+    """Op `node` of microbatch 0 as microbatch k's: its name and arguments renamed, a `meta.mb` of 0 as k."""
+    meta = node.meta
+    if ("mb", 0) in meta:
+        meta = tuple((key, k) if key == "mb" and value == 0 else (key, value) for key, value in meta)
+    return Node(rename(node.name, k), node.op, tuple(rename(a, k) for a in node.args), node.attrs, node.shape,
+                node.dtype, meta)
 
 
 # -- reading ----------------------------------------------------------------------------------
-def expand(obj: Any) -> Any:
-    """The plan object `obj` with every repeat written out (`obj` itself if it has none; else a copy, `obj`
-    unchanged). Raises PlanError naming a malformed repeat by its place in the file."""
-    if not isinstance(obj, dict):
-        return obj
-    microbatches = obj.get("microbatches", 1)
-    out = obj
-    programs = obj.get("programs")
-    if isinstance(programs, dict):
-        for name, program in programs.items():
-            if isinstance(program, dict) and isinstance(program.get("ops"), list) and has_repeat(program["ops"]):
-                if out is obj:
-                    out = {**obj, "programs": dict(programs)}
-                ops = _expand_ops(program["ops"], microbatches, f"programs.{name}.ops")
-                out["programs"][name] = {**program, "ops": ops}
-    interior = obj.get("interior")
-    if isinstance(interior, list) and has_repeat(interior):
-        out = {**out, "interior": expand_entries(interior, microbatches, "interior")}
-    return out
-
-
-def has_repeat(items: Any) -> bool:
-    """Does the list `items` (a program's ops, interior lineage) hold a repeat?"""
-    return isinstance(items, list) and any(isinstance(item, dict) and "repeat" in item for item in items)
-
-
-def _repeat(item: dict, microbatches: Any, path: str, ref: type) -> tuple[Any, int, int]:
+def _repeat(item: dict, microbatches: int, path: str, ref: type) -> tuple[Any, int, int]:
     unknown = sorted(set(item) - set(FIELDS))
     if unknown:
         raise PlanError(f"{path}.{unknown[0]}: unknown field {unknown[0]!r} of a repeat (known: {', '.join(FIELDS)})")
@@ -107,15 +67,15 @@ def _repeat(item: dict, microbatches: Any, path: str, ref: type) -> tuple[Any, i
         raise PlanError(f"{path}.repeat: expected {what}, got {start!r}")
     if not isinstance(count, int) or isinstance(count, bool) or count < 1:
         raise PlanError(f"{path}.count: expected an integer >= 1, got {count!r}")
-    if not isinstance(k, int) or isinstance(k, bool) or not (isinstance(microbatches, int) and 1 <= k < microbatches):
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k < microbatches:
         raise PlanError(f"{path}.mb: expected a microbatch in [1, {microbatches}), got {k!r}")
     return start, count, k
 
 
-def _expand(items: list, path: str, microbatches: Any, ref: type, first: Callable[[Any, str], int],
+def _expand(items: list, path: str, microbatches: int, ref: type, first: Callable[[Any, str], int],
             copy: Callable[[Any, int, str], Any], record: Callable[[Any, int], None],
-            literal: Callable[[Any, str], Any] = lambda item, where: item) -> list:
-    """`items` with each repeat written out: an item as `literal(item, its path)` makes it, a repeat as `copy`
+            literal: Callable[[Any, str], Any]) -> list:
+    """`items` with each repeat written out: an item as `literal(item, its path)` parses it, a repeat as `copy`
     makes each item it copies (`first`: where the copied run starts; `record`: each item as it is placed)."""
     out: list = []
     for i, item in enumerate(items):
@@ -137,126 +97,72 @@ def _expand(items: list, path: str, microbatches: Any, ref: type, first: Callabl
     return out
 
 
-def _expand_ops(ops: list, microbatches: Any, path: str) -> list:
-    def copy(op: Any, k: int, where: str) -> dict:
-        if not (isinstance(op, dict) and isinstance(op.get("out"), str) and isinstance(op.get("args"), list)
-                and all(isinstance(a, str) for a in op["args"])):
-            raise PlanError(f"{where}: repeats an op that is not {{out, op, args, ...}}: {op!r}")
-        _tagged(op["out"], where)
-        return copy_op(op, k)
-
-    first, record = _places(lambda op: op.get("out") if isinstance(op, dict) else None)
-    return _expand(ops, path, microbatches, str, first, copy, record)
-
-
-def nodes_of(microbatches: Any) -> Callable[[list, str], list[Node]]:
+def nodes_of(microbatches: int) -> Callable[[list, str], list[Node]]:
     """For `Graph.from_json`: a program's ops (JSON, repeats among them) as nodes — each op parsed, each node a
-    repeat stands for made from the node it copies, renamed (`_expand_ops` then parsing, without the JSON)."""
+    repeat stands for made from the node it copies (`renamed_node`)."""
     def nodes(ops: list, path: str) -> list[Node]:
+        place: dict[str, int] = {}
+
+        def record(node: Node, at: int) -> None:
+            place.setdefault(node.name, at)
+
+        def first(name: str, where: str) -> int:
+            if name not in place:
+                raise PlanError(f"{where}.repeat: no op {name!r} before the repeat")
+            return place[name]
+
         def copy(node: Node, k: int, where: str) -> Node:
-            _tagged(node.name, where)
-            meta = node.meta
-            if ("mb", 0) in meta:
-                meta = tuple((key, k) if key == "mb" and value == 0 else (key, value) for key, value in meta)
-            return Node(rename(node.name, k), node.op, tuple(rename(a, k) for a in node.args), node.attrs,
-                        node.shape, node.dtype, meta)
-        first, record = _places(lambda node: node.name)
+            if not _TAG.search(node.name):
+                raise PlanError(f"{where}: repeats op {node.name!r}, which has no microbatch tag @0 to rename")
+            return renamed_node(node, k)
+
         return _expand(ops, path, microbatches, str, first, copy, record,
-                       literal=lambda op, where: Node.from_json(op, where, PlanError))
+                       lambda op, where: Node.from_json(op, where, PlanError))
     return nodes
 
 
-def _places(name_of: Callable[[Any], str | None]) -> tuple[Callable, Callable]:
-    """(`first`, `record`) of `_expand` for ops: where the op a repeat names was placed."""
-    place: dict[str, int] = {}
-
-    def record(op: Any, at: int) -> None:
-        name = name_of(op)
-        if isinstance(name, str):
-            place.setdefault(name, at)
-
-    def first(name: str, where: str) -> int:
-        if name not in place:
-            raise PlanError(f"{where}.repeat: no op {name!r} before the repeat")
-        return place[name]
-    return first, record
-
-
-def _tagged(name: str, where: str) -> None:
-    if not _TAG.search(name):
-        raise PlanError(f"{where}: repeats op {name!r}, which has no microbatch tag @0 to rename")
-
-
-def expand_entries(entries: list, microbatches: Any, path: str, literal: Callable[[Any, str], Any] | None = None,
-                    rename_entry: Callable[[Any, int], Any] | None = None) -> list:
-    """`entries` with each repeat written out; `literal` and `rename_entry` make and copy parsed entries (the
-    default: JSON entries, `copy_entry`)."""
-    def copy(entry: Any, k: int, where: str) -> Any:
-        if rename_entry is not None:
-            return rename_entry(entry, k)
-        cuts = entry.get("slice", []) if isinstance(entry, dict) else None
-        if not (isinstance(entry.get("tensor") if cuts is not None else None, str) and isinstance(cuts, list)
-                and all(isinstance(cut, dict) and isinstance(cut.get("split"), list) for cut in cuts)):
-            raise PlanError(f"{where}: repeats an entry that is not {{where, tensor, logical, slice}}: {entry!r}")
-        return copy_entry(entry, k, microbatches)
-
-    return _expand(entries, path, microbatches, int, lambda index, where: index, copy, lambda entry, at: None,
-                   literal or (lambda entry, where: entry))
+def expand_entries(entries: list, microbatches: int, path: str, parse: Callable[[Any, str], Any],
+                   renamed: Callable[[Any, int], Any]) -> list:
+    """Lineage `entries` (JSON, repeats among them) parsed (`parse(entry, its path)`), each entry a repeat stands
+    for made from the entry it copies (`renamed(entry, k)`: `Lineage.renamed`)."""
+    return _expand(entries, path, microbatches, int, lambda index, where: index,
+                   lambda entry, k, where: renamed(entry, k), lambda entry, at: None, parse)
 
 
 # -- writing ----------------------------------------------------------------------------------
-def compact_ops(ops: list[dict], microbatches: int) -> list[dict]:
-    """`ops` (JSON, every op written out) with each run of microbatch k's ops that is microbatch 0's renamed
-    (`copy_op`) written as a repeat."""
-    place = {op["out"]: i for i, op in enumerate(ops)}
-
-    def base(i: int) -> tuple[int, int] | None:
-        found = _ANY_TAG.search(ops[i]["out"])
-        if found is None:
-            return None
-        k = int(found.group(1))
-        at = place.get(ops[i]["out"][:found.start()] + "@0" + ops[i]["out"][found.end():])
-        return None if at is None or k >= microbatches else (at, k)
-
-    return _compact(ops, base, copy_op, lambda at: ops[at]["out"])
-
-
-def compact_entries(entries: list[dict], microbatches: int) -> list[dict]:
-    """Intermediate lineage entries (JSON) with each run that is microbatch 0's renamed (`copy_entry`) written as
-    a repeat."""
-    place = {(e["tensor"], tuple(sorted(e.get("where", {}).items()))): i for i, e in enumerate(entries)}
-
-    def base(i: int) -> tuple[int, int] | None:
-        entry = entries[i]
-        found = _ANY_TAG.search(entry["tensor"])
-        if found is None:
-            return None
-        k = int(found.group(1))
-        tensor = entry["tensor"][:found.start()] + "@0" + entry["tensor"][found.end():]
-        at = place.get((tensor, tuple(sorted(entry.get("where", {}).items()))))
-        return None if at is None or k >= microbatches else (at, k)
-
-    return _compact(entries, base, lambda e, k: copy_entry(e, k, microbatches), lambda at: at)
-
-
-def _compact(items: list[dict], base: Callable[[int], tuple[int, int] | None], copy: Callable[[dict, int], dict],
-             ref: Callable[[int], Any]) -> list[dict]:
-    out: list[dict] = []
+def compact(items: Sequence, microbatches: int, named: Callable[[Any], tuple[str, Hashable]],
+            renamed: Callable[[Any, int], Any], ref: Callable[[int], Any]) -> list[int | dict]:
+    """`items` (a program's nodes, lineage entries; every one written out) as the indices of those written as
+    they are and, for each run of microbatch k's items that is microbatch 0's renamed (`renamed`, the loader's
+    own renaming), a repeat naming its first item by `ref(index)`. `named(item)`: its tensor's name and what else
+    tells it from another item of that name (the entry's `where`)."""
+    place = {}
+    for i, item in enumerate(items):
+        place.setdefault(named(item), i)
+    out: list[int | dict] = []
     i = 0
     while i < len(items):
-        found = base(i)
+        name, rest = named(items[i])
+        found = _ANY_TAG.search(name)
+        at = place.get((name[:found.start()] + "@0" + name[found.end():], rest)) if found else None
+        k = int(found.group(1)) if found else 0
         run = 0
-        if found is not None:
-            at, k = found
-            while at + run < i and i + run < len(items) and copy(items[at + run], k) == items[i + run]:
+        if at is not None and k < microbatches:
+            while at + run < i and i + run < len(items) and renamed(items[at + run], k) == items[i + run]:
                 run += 1
         if run >= MIN_RUN:
             out.append({"repeat": ref(at), "count": run, "mb": k})
             i += run
         else:
-            out.append(items[i])
+            out.append(i)
             i += 1
     return out
 
 
-__all__ = ["expand", "has_repeat", "nodes_of", "expand_entries", "compact_ops", "compact_entries", "rename", "copy_op", "copy_entry", "MIN_RUN"]
+def compact_nodes(nodes: Sequence[Node], microbatches: int) -> list[int | dict]:
+    """`compact` for a program's nodes: a repeat names the op its run starts at."""
+    return compact(nodes, microbatches, lambda node: (node.name, None), renamed_node, lambda at: nodes[at].name)
+
+
+__all__ = ["rename", "renamed_node", "nodes_of", "expand_entries", "compact", "compact_nodes",
+           "MIN_RUN"]

@@ -10,7 +10,7 @@ from tv_ray import api
 from tv_ray.errors import PlanError
 from tv_ray.ir import Node
 from tv_ray.plan import Lineage, Plan
-from tv_ray.plan_repeats import compact_entries, compact_ops, expand, expand_entries, nodes_of
+from tv_ray.plan_repeats import compact, compact_nodes, expand_entries, nodes_of
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def test_a_plan_with_microbatches_is_written_with_repeats_and_reads_back_the_sam
         assert len(program["ops"]) < len(plan.programs[name].nodes) / 2
     assert {r["mb"] for r in _repeats(written["interior"])} == {1, 2, 3}
     assert compact.stat().st_size < 0.6 * full.stat().st_size      # the logical graph is the same in both
-    assert expand(written) == plan.to_json()
+    assert Plan.from_json(written).to_json() == plan.to_json()
     again = Plan.load(compact)
     assert again == plan and again.to_json() == plan.to_json()
 
@@ -61,18 +61,24 @@ def test_a_microbatch_that_differs_stays_written_out_where_it_differs(plan, tmp_
 def test_compacting_is_exact_run_by_run():
     """Ops and entries of microbatch k are written as a repeat only over the run where the renaming is exact."""
     def op(out, args, mb):
-        return {"out": out, "op": "mul", "args": args, "shape": [2], "meta": {"mb": mb}}
-    ops = [op("a@0", ["x@0", "w"], 0), op("b@0", ["a@0", "w"], 0), op("c@0", ["b@0"], 0),
-           op("a@1", ["x@1", "w"], 1), op("b@1", ["a@1", "w"], 1), op("c@1", ["b@0"], 1)]    # c@1 reads b@0
-    assert compact_ops(ops, 2) == ops[:3] + [{"repeat": "a@0", "count": 2, "mb": 1}, ops[5]]
-    assert expand({"microbatches": 2, "programs": {"p": {"ops": compact_ops(ops, 2)}}})["programs"]["p"]["ops"] == ops
+        return Node.make(out, "mul", args, shape=[2], meta={"mb": mb})
+    nodes = [op("a@0", ["x@0", "w"], 0), op("b@0", ["a@0", "w"], 0), op("c@0", ["b@0"], 0),
+             op("a@1", ["x@1", "w"], 1), op("b@1", ["a@1", "w"], 1), op("c@1", ["b@0"], 1)]    # c@1 reads b@0
+    written = compact_nodes(nodes, 2)
+    assert written == [0, 1, 2, {"repeat": "a@0", "count": 2, "mb": 1}, 5]
+    ops = [nodes[x].to_json() if isinstance(x, int) else x for x in written]
+    assert nodes_of(2)(ops, "programs.p.ops") == nodes
     mb = {"index": 0, "of": 2}
-    entries = [{"where": {}, "tensor": "a@0", "logical": "a", "slice": [{"dim": 0, "split": ["dp", mb]}]},
-               {"where": {}, "tensor": "b@0", "logical": "b", "slice": [{"dim": 1, "split": [mb]}]},
-               {"where": {}, "tensor": "a@1", "logical": "a", "slice": [{"dim": 0, "split": ["dp", {**mb, "index": 1}]}]},
-               {"where": {}, "tensor": "b@1", "logical": "b", "slice": [{"dim": 1, "split": [{**mb, "index": 1}]}]}]
-    assert compact_entries(entries, 2) == entries[:2] + [{"repeat": 0, "count": 2, "mb": 1}]
-    assert expand({"microbatches": 2, "programs": {}, "interior": compact_entries(entries, 2)})["interior"] == entries
+    raw = [{"where": {}, "tensor": "a@0", "logical": "a", "slice": [{"dim": 0, "split": ["dp", mb]}]},
+           {"where": {}, "tensor": "b@0", "logical": "b", "slice": [{"dim": 1, "split": [mb]}]},
+           {"where": {}, "tensor": "a@1", "logical": "a", "slice": [{"dim": 0, "split": ["dp", {**mb, "index": 1}]}]},
+           {"where": {}, "tensor": "b@1", "logical": "b", "slice": [{"dim": 1, "split": [{**mb, "index": 1}]}]}]
+    entries = [Lineage.from_json(e, "") for e in raw]
+    renamed = lambda e, k: e.renamed(k, 2)     # noqa: E731
+    written = compact(entries, 2, lambda e: (e.tensor, e.where), renamed, lambda at: at)
+    assert written == [0, 1, {"repeat": 0, "count": 2, "mb": 1}]
+    raw_written = [raw[x] if isinstance(x, int) else x for x in written]
+    assert expand_entries(raw_written, 2, "interior", Lineage.from_json, renamed) == entries
 
 
 def test_expanding_leaves_the_callers_object_as_it_was(plan, tmp_path):
@@ -102,14 +108,10 @@ def test_expanding_leaves_the_callers_object_as_it_was(plan, tmp_path):
      "interior[0].count: 1 from 0 runs past what comes before the repeat (0 there)"),
 ])
 def test_a_malformed_repeat_is_refused_naming_its_place_in_the_file(where, repeat, message):
-    """Alike written out as JSON (`expand`) and as a loaded plan's nodes and entries (`nodes_of`)."""
     ops = [{"out": "a@0", "op": "neg", "args": ["x@0"], "shape": [2]},
            {"out": "w2", "op": "neg", "args": ["w"], "shape": [2]}]
     obj = {"microbatches": 2, "programs": {"p": {"ops": ops + ([repeat] if where == "ops" else [])}},
            "interior": [repeat] if where == "interior" else []}
-    with pytest.raises(PlanError) as err:
-        expand(obj)
-    assert str(err.value) == message
     with pytest.raises(PlanError) as err:
         if where == "ops":
             nodes_of(2)(obj["programs"]["p"]["ops"], "programs.p.ops")
@@ -121,10 +123,11 @@ def test_a_malformed_repeat_is_refused_naming_its_place_in_the_file(where, repea
 def test_a_loaded_plans_repeats_are_the_nodes_and_entries_written_out(plan, tmp_path):
     """`Plan.load` makes the nodes and entries a repeat stands for from the ones it copies, never from JSON:
     the same plan as parsing the JSON written out."""
-    path = tmp_path / "plan.json"
+    path, full = tmp_path / "plan.json", tmp_path / "full.json"
     plan.save(path)
+    plan.save(full, repeats=False)
     written = json.loads(path.read_text())
-    loaded, parsed = Plan.from_json(written), Plan.from_json(expand(written))
+    loaded, parsed = Plan.from_json(written), Plan.load(full)
     assert loaded == parsed == plan
     assert [n.meta for n in loaded.programs["stage0"].nodes] == [n.meta for n in plan.programs["stage0"].nodes]
 
