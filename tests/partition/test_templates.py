@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from tv_ray import api
+from tv_ray.ir import Op
 from tv_ray.partition import stages as stages_module
 from tv_ray.partition.claims import Claim
 from tv_ray.partition.derive import claims_for
@@ -146,6 +147,67 @@ def test_a_claimed_op_whose_template_was_built_is_not_computed(claimed, monkeypa
         want = eval_symbolic(deferred.node, [stages_module.terms_of(a) for a in args], deferred.dims, deferred.ctx)
         assert all(a is b for a, b in zip(terms(deferred).reshape(-1), want.reshape(-1)))
 
+
+
+@pytest.fixture(scope="module")
+def deep():
+    """llama3-tiny at 4 layers, dp=2,tp=2,mb=2: layers past the first meet templates built before."""
+    from tv_ray.models import get
+    tiny = get("llama3-tiny")
+    spec = tiny.with_dims({**tiny.dims, "batch": 4}, layers=4)
+    plan = api.parallelize(api.capture_step(spec, optim="adamw", clip=1.0), "dp=2,tp=2,mb=2", model=spec)
+    dims = reduce_plan(plan).reduced
+    return plan, dims, claims_for(plan, dims)[1]
+
+
+def test_an_op_no_claim_cuts_is_computed_once_per_template_and_built_only_when_read(deep, monkeypatch):
+    """An uncut op other than a matrix product — a weight's transpose, a norm's step between two cuts — is computed where it stands
+    the first time its template is met; after that it is `Deferred`, and where the next cut is a template hit,
+    never built. Built, its terms are the op's."""
+    plan, dims, claims = deep
+    made, computed = [], []
+    init, terms = stages_module.Deferred.__init__, stages_module.Deferred.terms
+
+    def spy_init(self, *args):
+        init(self, *args)
+        made.append((self, list(self.args)))
+
+    def spy_terms(self):
+        if self.real is None:
+            computed.append(self)
+        return terms(self)
+    monkeypatch.setattr(stages_module.Deferred, "__init__", spy_init)
+    monkeypatch.setattr(stages_module.Deferred, "terms", spy_terms)
+    partition(plan, dims, claims, shards=False)
+    claimed_ops = {tensor for _, tensor in claims}
+    uncut = [(d, args) for d, args in made if d.node.name not in claimed_ops and d.node.op not in (Op.MM, Op.BMM)]
+    assert len(uncut) > 100
+    assert sum(d in computed for d, _ in uncut) < 0.3 * len(uncut)
+    from tv_ray.semantics.symbolic import eval_symbolic
+    for d, args in uncut[:50]:
+        want = eval_symbolic(d.node, [stages_module.terms_of(a) for a in args], d.dims, d.ctx)
+        assert all(x is y for x, y in zip(terms(d).reshape(-1), want.reshape(-1)))
+
+
+def test_a_chain_of_uncut_ops_longer_than_max_deferred_is_computed_where_it_stands(deep, monkeypatch):
+    """No value is left to be built through more than `MAX_DEFERRED` ops not computed (building it recurses that
+    deep): with the limit at 1 every uncut op reading a deferred one is computed, and the stages and keys are the
+    same."""
+    plan, dims, claims = deep
+    depths = []
+    init = stages_module.Deferred.__init__
+
+    def spy_init(self, *args):
+        init(self, *args)
+        depths.append(self.depth)
+    monkeypatch.setattr(stages_module.Deferred, "__init__", spy_init)
+    monkeypatch.setattr(stages_module, "MAX_DEFERRED", 1)
+    one = partition(plan, dims, claims, shards=False)
+    assert max(depths) == 2                  # made, then declined: computed where it stands
+    monkeypatch.undo()
+    full = partition(plan, dims, claims, shards=False)
+    assert [(o.id, o.reads, o.claim, o.key) for o in one.every()] == \
+        [(o.id, o.reads, o.claim, o.key) for o in full.every()]
 
 
 def test_a_continuation_read_by_deferred_ops_alone_is_never_built(claimed, monkeypatch):

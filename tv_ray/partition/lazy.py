@@ -59,10 +59,12 @@ class Deferred:
     mirror's own stage may still ask for it), a group member's part (its group's stage asks unless its template
     was built), or an op no claim cuts (the op that reads it asks unless it is deferred too)."""
 
-    __slots__ = ("node", "args", "dims", "ctx", "shape", "real")
+    __slots__ = ("node", "args", "dims", "ctx", "shape", "real", "depth")
 
     def __init__(self, node: Node, args: list, dims: dict[str, int], ctx, shape: tuple[int, ...]):
         self.node, self.args, self.dims, self.ctx, self.shape, self.real = node, args, dims, ctx, shape, None
+        # the longest chain of values not built it ends (building it recurses that deep)
+        self.depth = 1 + max((a.depth for a in args if isinstance(a, Deferred)), default=0)
 
     def terms(self) -> np.ndarray:
         if self.real is None:

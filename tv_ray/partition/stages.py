@@ -46,7 +46,7 @@ from tqdm import tqdm
 from tv_ray.errors import Asymmetric, TvRayError, Unshardable
 from tv_ray.execute import TOKEN, Scheduler
 from tv_ray.ir import Node, Op
-from tv_ray.ir.ops import COLLECTIVES, VIEWS
+from tv_ray.ir.ops import COLLECTIVES
 from tv_ray.partition.claims import Claim
 from tv_ray.partition.keys import content_digests, formula_key
 from tv_ray.partition.lazy import COMPUTED, Continued, Contribution, Deferred, Free, terms_of
@@ -70,11 +70,11 @@ EXPAND_GROWTH, EXPAND_SLACK = 3, 1000      # stop unfolding past 3x the formula'
 # a stage formula larger than this is not formed (keying, unfolding and solving it would take minutes): its
 # stage is unknown, with the reason. The largest stage of the CI grid plans has ~5,000 nodes.
 MAX_STAGE_NODES = 250_000
+MAX_DEFERRED = 64       # the longest chain of ops not computed (`Deferred`): a longer one is computed where it stands
 # a formula larger than this gets its like terms collected first (`collect`): a sum over a whole batch's samples
 # in two associations (the loss over dp x tp) becomes one term on both sides, proved by reflexivity, instead of
 # a 230,000-node equation z3 takes seconds on. The largest stage of the CI grid plans has ~5,000 nodes.
 COLLECT_NODES = 10_000
-UNCUT_DEFERRED = frozenset({Op.MM, Op.BMM})     # ops no claim cuts that are built only when read (`_deferred`)
 
 
 @dataclass(slots=True)
@@ -443,8 +443,8 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
 
         - a group member's part of a partial claim: its group's template is known only once every part
           arrived, and the part is built then if that template was not (`_record`);
-        - a matrix product no claim cuts (`UNCUT_DEFERRED`), or a view no claim cuts of a value not built:
-          built when an op that reads it is.
+        - an op no claim cuts: built when an op that reads it is (so between two template hits nothing is; a
+          norm's or an activation's elementwise ops computed eagerly took a quarter of llama3-8b's generation).
 
         The first instance of each is computed where it stands (an op without a symbolic rule is found there)."""
         self._evaluating = None
@@ -452,9 +452,6 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
                 not all(isinstance(a, COMPUTED) for a in args):
             return None
         claim = self._claim(state.rank, node.name)
-        if claim is None and node.op not in UNCUT_DEFERRED and \
-                not (node.op in VIEWS and any(isinstance(a, Deferred) for a in args)):
-            return None
         made = self.templates.op(node, [self.provenance.get((state.rank, a)) for a in node.args], state.ctx)
         if made is None:
             return None
@@ -466,7 +463,8 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
                 return None
         elif not self.templates.built.get(self.templates.descriptor(made, claim)):
             return None
-        return Deferred(node, args, self.dims, state.ctx, self._shape(node))
+        out = Deferred(node, args, self.dims, state.ctx, self._shape(node))
+        return out if out.depth <= MAX_DEFERRED else None
 
     def _evaluate(self, state, node: Node, args):
         mirrored = [a for a in args if isinstance(a, Mirrored)]
