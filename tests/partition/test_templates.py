@@ -124,6 +124,18 @@ def test_a_claimed_op_whose_template_was_built_is_not_computed(claimed, monkeypa
     """Most template hits are never computed (`Deferred`), nor are group members' parts of a partial claim whose
     template was computed before; where one is asked for, its terms are the op's."""
     plan, dims, claims = claimed
+    made, computed = _spy_deferred(monkeypatch)
+    part = partition(plan, dims, claims, shards=False)
+    assert len(made) > 0.5 * part.templated
+    assert len(computed) < 0.1 * len(made)
+    partial = {tensor for (_, tensor), claim in claims.items() if claim.partial}
+    if partial:
+        assert sum(deferred.node.name in partial for deferred, _ in made) > 0.2 * len(partial)
+    _built_as_computed(made[:50])
+
+
+def _spy_deferred(monkeypatch) -> tuple[list, list]:
+    """Every `Deferred` made (with its arguments, kept) and every one built, as the run goes."""
     made, computed = [], []
     init, terms = stages_module.Deferred.__init__, stages_module.Deferred.terms
 
@@ -132,21 +144,20 @@ def test_a_claimed_op_whose_template_was_built_is_not_computed(claimed, monkeypa
         made.append((self, list(self.args)))
 
     def spy_terms(self):
-        computed.append(self)
+        if self.real is None:
+            computed.append(self)
         return terms(self)
     monkeypatch.setattr(stages_module.Deferred, "__init__", spy_init)
     monkeypatch.setattr(stages_module.Deferred, "terms", spy_terms)
-    part = partition(plan, dims, claims, shards=False)
-    assert len(made) > 0.5 * part.templated
-    assert len(computed) < 0.1 * len(made)
-    partial = {tensor for (_, tensor), claim in claims.items() if claim.partial}
-    if partial:
-        assert sum(deferred.node.name in partial for deferred, _ in made) > 0.2 * len(partial)
-    from tv_ray.semantics.symbolic import eval_symbolic
-    for deferred, args in made[:50]:
-        want = eval_symbolic(deferred.node, [stages_module.terms_of(a) for a in args], deferred.dims, deferred.ctx)
-        assert all(a is b for a, b in zip(terms(deferred).reshape(-1), want.reshape(-1)))
+    return made, computed
 
+
+def _built_as_computed(made) -> None:
+    """Each deferred value, built, is its op's terms on its arguments."""
+    from tv_ray.semantics.symbolic import eval_symbolic
+    for deferred, args in made:
+        want = eval_symbolic(deferred.node, [stages_module.terms_of(a) for a in args], deferred.dims, deferred.ctx)
+        assert all(a is b for a, b in zip(deferred.terms().reshape(-1), want.reshape(-1)))
 
 
 @pytest.fixture(scope="module")
@@ -161,32 +172,17 @@ def deep():
 
 
 def test_an_op_no_claim_cuts_is_computed_once_per_template_and_built_only_when_read(deep, monkeypatch):
-    """An uncut op other than a matrix product — a weight's transpose, a norm's step between two cuts — is computed where it stands
-    the first time its template is met; after that it is `Deferred`, and where the next cut is a template hit,
-    never built. Built, its terms are the op's."""
+    """An uncut op other than a matrix product — a weight's transpose, a norm's step between two cuts — is
+    computed where it stands the first time its template is met; after that it is `Deferred`, and where the next
+    cut is a template hit, never built. Built, its terms are the op's."""
     plan, dims, claims = deep
-    made, computed = [], []
-    init, terms = stages_module.Deferred.__init__, stages_module.Deferred.terms
-
-    def spy_init(self, *args):
-        init(self, *args)
-        made.append((self, list(self.args)))
-
-    def spy_terms(self):
-        if self.real is None:
-            computed.append(self)
-        return terms(self)
-    monkeypatch.setattr(stages_module.Deferred, "__init__", spy_init)
-    monkeypatch.setattr(stages_module.Deferred, "terms", spy_terms)
+    made, computed = _spy_deferred(monkeypatch)
     partition(plan, dims, claims, shards=False)
     claimed_ops = {tensor for _, tensor in claims}
     uncut = [(d, args) for d, args in made if d.node.name not in claimed_ops and d.node.op not in (Op.MM, Op.BMM)]
     assert len(uncut) > 100
     assert sum(d in computed for d, _ in uncut) < 0.3 * len(uncut)
-    from tv_ray.semantics.symbolic import eval_symbolic
-    for d, args in uncut[:50]:
-        want = eval_symbolic(d.node, [stages_module.terms_of(a) for a in args], d.dims, d.ctx)
-        assert all(x is y for x, y in zip(terms(d).reshape(-1), want.reshape(-1)))
+    _built_as_computed(uncut[:50])
 
 
 def test_a_chain_of_uncut_ops_longer_than_max_deferred_is_computed_where_it_stands(deep, monkeypatch):
@@ -194,16 +190,10 @@ def test_a_chain_of_uncut_ops_longer_than_max_deferred_is_computed_where_it_stan
     deep): with the limit at 1 every uncut op reading a deferred one is computed, and the stages and keys are the
     same."""
     plan, dims, claims = deep
-    depths = []
-    init = stages_module.Deferred.__init__
-
-    def spy_init(self, *args):
-        init(self, *args)
-        depths.append(self.depth)
-    monkeypatch.setattr(stages_module.Deferred, "__init__", spy_init)
+    made, _ = _spy_deferred(monkeypatch)
     monkeypatch.setattr(stages_module, "MAX_DEFERRED", 1)
     one = partition(plan, dims, claims, shards=False)
-    assert max(depths) == 2                  # made, then declined: computed where it stands
+    assert max(d.depth for d, _ in made) == 2          # made, then declined: computed where it stands
     monkeypatch.undo()
     full = partition(plan, dims, claims, shards=False)
     assert [(o.id, o.reads, o.claim, o.key) for o in one.every()] == \
