@@ -443,8 +443,8 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
 
         - a group member's part of a partial claim: its group's template is known only once every part
           arrived, and the part is built then if that template was not (`_record`);
-        - an op no claim cuts: built when an op that reads it is (so between two template hits nothing is; a
-          norm's or an activation's elementwise ops computed eagerly took a quarter of llama3-8b's generation).
+        - an op no claim cuts: built when an op that reads it is (so between two template hits nothing is; such
+          ops — a weight's transpose, a norm's steps — computed eagerly took a quarter of llama3-8b's generation).
 
         The first instance of each is computed where it stands (an op without a symbolic rule is found there)."""
         self._evaluating = None
