@@ -1,7 +1,8 @@
 """Stage generation at scale, today's generator against one without a renaming, side by side in one run.
 
     python bench/scale.py [--configs "llama3-8b:32:dp=4,tp=8,pp=4,mb=8:512;..." | --sweep layers|tp|pp|dp|mb|frontier]
-                          [--out bench/results/scale.json] [--modes templates,baseline|stepped|evaluated|before|workers2]
+                          [--out bench/results/scale.json]
+                          [--modes templates,baseline|stepped|evaluated|before|workers2|costs]
                           [--before DIR] [--plot bench/results/scale.png]
 
 A config is MODEL:LAYERS:SPEC:BATCH[:ZERO] (LAYERS overrides the model's depth: the sweeps over 4, 8, 16, 32
@@ -17,7 +18,9 @@ formula built, as before templates; `stepped` steps every mirrored rank (`virtua
 counterpart's renamed, `tv_ray.partition.microbatches`); `before` runs today's settings on the tv_ray of an
 earlier checkout (`--before DIR`: the same stages, the keys may differ where a formula changed); `workers2` runs
 the stages as pipeline shards in two worker processes (`partition(shards=True)`, the local executor): 1 against 2
-workers, the same stages and keys.
+workers, the same stages and keys; `costs` is today's generator with every op it computes timed (`op_costs`: what
+each kind of op costs — microbatch 0 or k, a pipeline stage's first layer, a later one or none, taken as its
+counterpart's renamed or stepped —, the timer's own cost included, so its seconds are not compared).
 The first mode is compared with each other one (`side_by_side`).
 """
 from __future__ import annotations
@@ -58,7 +61,8 @@ DEFAULT = sweep("layers")
 
 MODES = {"templates": {"templates": True, "virtual": True}, "baseline": {"templates": False, "virtual": True},
          "stepped": {"templates": True, "virtual": False}, "workers2": {"templates": True, "virtual": True},
-         "evaluated": {"templates": True, "virtual": True, "renamed": False}}
+         "evaluated": {"templates": True, "virtual": True, "renamed": False},
+         "costs": {"templates": True, "virtual": True}}
 WORKERS = {"workers2": 2}      # modes whose stages run as pipeline shards in that many worker processes
 
 
@@ -85,6 +89,7 @@ def measure(model: str, layers: int, spec: str, batch: int, mode: str, zero: int
     claimed = time.perf_counter()
     workers = WORKERS.get(mode)
     pool = LocalExecutor(workers) if workers else None
+    costs = op_costs(plan) if mode == "costs" else None
     part = partition(plan, dims, claims, found or not notes, shards=bool(workers), **MODES[mode],
                      generate=pool.map if pool else None, groups=workers or 1)
     done = time.perf_counter()
@@ -99,7 +104,51 @@ def measure(model: str, layers: int, spec: str, batch: int, mode: str, zero: int
             "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20, 2),
             "worker_peak_rss_gib": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2 ** 20, 2),
             "workers": workers or 1, "shards": part.shards,
-            **digests(part)}
+            **({"op_costs": costs()} if costs else {}), **digests(part)}
+
+
+LAYER = r"layers\.(\d+)\."
+
+
+def op_costs(plan):
+    """Time every op the symbolic run computes (`SymbolicRun._compute`: all but communication), by kind — its
+    microbatch (0, or k > 0), where it lies (its pipeline stage's first layer, a later layer, outside the layers),
+    how it went (`renamed`: taken as its microbatch 0 counterpart's renamed; else stepped) — and return what
+    gives the table: per kind, ops, seconds, microseconds an op and share of the timed seconds."""
+    import re
+    from tv_ray.partition import microbatches, stages
+    first = {}
+    for name, program in plan.programs.items():
+        found = [int(m.group(1)) for n in program.nodes if (m := re.match(LAYER, n.get_meta("module") or ""))]
+        first[name] = min(found, default=None)
+    seconds, ops, renamed = {}, {}, [False]
+    compute, take = stages.SymbolicRun._compute, microbatches.Renamed._renamed
+
+    def taken(self, state, node):
+        renamed[0] = take(self, state, node)
+        return renamed[0]
+
+    def timed(self, state, node):
+        renamed[0] = False
+        start = time.perf_counter()
+        done = compute(self, state, node)
+        spent = time.perf_counter() - start
+        layer = re.match(LAYER, node.get_meta("module") or "")
+        where = "outside layers" if layer is None else \
+            "first layer" if int(layer.group(1)) == first[state.name] else "later layers"
+        kind = (f"microbatch {'0' if node.get_meta('mb') in (0, None) else 'k'}", where,
+                "renamed" if renamed[0] else "stepped")
+        seconds[kind] = seconds.get(kind, 0.0) + spent
+        ops[kind] = ops.get(kind, 0) + 1
+        return done
+    stages.SymbolicRun._compute, microbatches.Renamed._renamed = timed, taken
+
+    def table() -> list[dict]:
+        total = sum(seconds.values())
+        return [{"kind": " / ".join(kind), "ops": ops[kind], "seconds": round(spent, 2),
+                 "us_per_op": round(1e6 * spent / ops[kind], 1), "share": round(spent / total, 3)}
+                for kind, spent in sorted(seconds.items(), key=lambda kv: -kv[1])]
+    return table
 
 
 EXPAND_LIMIT = 2_000_000      # stages from which the digests hash the recorded stages and the instantiation map
