@@ -107,20 +107,25 @@ def measure(model: str, layers: int, spec: str, batch: int, mode: str, zero: int
             **({"op_costs": costs()} if costs else {}), **digests(part)}
 
 
-LAYER = r"layers\.(\d+)\."
-
-
 def op_costs(plan):
     """Time every op the symbolic run computes (`SymbolicRun._compute`: all but communication), by kind — its
     microbatch (0, or k > 0), where it lies (its pipeline stage's first layer, a later layer, outside the layers),
     how it went (`renamed`: taken as its microbatch 0 counterpart's renamed; else stepped) — and return what
     gives the table: per kind, ops, seconds, microseconds an op and share of the timed seconds."""
-    import re
+    from tv_ray.parallel.pipeline import LAYER
     from tv_ray.partition import microbatches, stages
-    first = {}
+
+    def layer(node) -> int | None:
+        found = LAYER.match(node.get_meta("module") or "")
+        return int(found.group(1)) if found else None
+    places = {}         # (program, op) -> its microbatch and where it lies
     for name, program in plan.programs.items():
-        found = [int(m.group(1)) for n in program.nodes if (m := re.match(LAYER, n.get_meta("module") or ""))]
-        first[name] = min(found, default=None)
+        first = min((n for n in map(layer, program.nodes) if n is not None), default=None)
+        for node in program.nodes:
+            at = layer(node)
+            places[name, node.name] = (f"microbatch {'0' if node.get_meta('mb') in (0, None) else 'k'}",
+                                       "outside layers" if at is None else
+                                       "first layer" if at == first else "later layers")
     seconds, ops, renamed = {}, {}, [False]
     compute, take = stages.SymbolicRun._compute, microbatches.Renamed._renamed
 
@@ -133,11 +138,7 @@ def op_costs(plan):
         start = time.perf_counter()
         done = compute(self, state, node)
         spent = time.perf_counter() - start
-        layer = re.match(LAYER, node.get_meta("module") or "")
-        where = "outside layers" if layer is None else \
-            "first layer" if int(layer.group(1)) == first[state.name] else "later layers"
-        kind = (f"microbatch {'0' if node.get_meta('mb') in (0, None) else 'k'}", where,
-                "renamed" if renamed[0] else "stepped")
+        kind = places[state.name, node.name] + ("renamed" if renamed[0] else "stepped",)
         seconds[kind] = seconds.get(kind, 0.0) + spent
         ops[kind] = ops.get(kind, 0) + 1
         return done

@@ -499,9 +499,11 @@ class Graph:
         if not isinstance(obj["outputs"], dict) or not all(isinstance(v, str) for v in obj["outputs"].values()):
             raise _error(cls, f"{path}.outputs", "expected an object mapping output names to tensor names")
         inputs = tuple(TensorSpec.from_json(o, f"{path}.inputs[{i}]", cls) for i, o in enumerate(obj["inputs"]))
-        nodes = tuple(_node_fast(o) or Node._from_json_checked(o, f"{path}.ops[{i}]", cls)
-                      for i, o in enumerate(obj["ops"])) if nodes_of is None else tuple(nodes_of(obj["ops"],
-                                                                                              f"{path}.ops"))
+        if nodes_of is None:
+            nodes = tuple(_node_fast(o) or Node._from_json_checked(o, f"{path}.ops[{i}]", cls)
+                          for i, o in enumerate(obj["ops"]))
+        else:
+            nodes = tuple(nodes_of(obj["ops"], f"{path}.ops"))
         graph = Graph(inputs, nodes, tuple(obj["outputs"].items()), name)
         check_names(graph, path, cls)
         return graph
