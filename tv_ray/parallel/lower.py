@@ -84,6 +84,7 @@ class Lowering:
         self._shapes: dict[Layout, tuple[Expr, ...]] = {}
         # what each local name holds: (logical tensor, layout, microbatch copy or None) — intermediate lineage
         self.holds: dict[str, tuple[str, Layout, int | None]] = {}
+        self._mb: dict[str, int] = {}         # name -> the microbatch whose copy it is (meta `mb`)
 
     # -- building blocks ---------------------------------------------------------------
     def _fresh(self, base: str) -> str:
@@ -101,6 +102,15 @@ class Lowering:
         return local
 
     def _emit(self, name: str, op: Op, args, attrs: Mapping[str, Any], shape, dtype: str, meta) -> str:
+        """An op on one microbatch's copies alone (a collective, a view converting them) is that microbatch's
+        too (meta `mb`): microbatch k's ops then pair with microbatch 0's one for one, collectives included
+        (`tv_ray.partition.microbatches.counterparts`)."""
+        meta = dict(meta)
+        copies = {self._mb.get(a) for a in args}
+        if "mb" not in meta and len(copies) == 1 and None not in copies:
+            meta["mb"] = copies.pop()
+        if "mb" in meta:
+            self._mb[name] = meta["mb"]
         self.nodes.append(Node.make(name, op, args, attrs, shape, dtype, meta))
         return name
 
@@ -310,6 +320,8 @@ class Lowering:
             mmeta = first.meta if n == 1 else tuple(sorted({**dict(first.meta), "mb": m}.items()))
             self.nodes.append(Node(name, node.op, tuple(a.name(m) for a in args), first.attrs, first.shape,
                                    node.dtype, mmeta))
+            if n > 1:
+                self._mb[name] = m
             if dec.divide_by > 1:
                 name = self._emit(self._fresh(name), Op.DIV, [name], {"other": float(dec.divide_by)},
                                   shape, node.dtype, dict(mmeta))
