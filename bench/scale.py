@@ -110,7 +110,8 @@ def measure(model: str, layers: int, spec: str, batch: int, mode: str, zero: int
 def op_costs(plan):
     """Time every op the symbolic run computes (`SymbolicRun._compute`: all but communication), by kind — its
     microbatch (0, or k > 0), where it lies (its pipeline stage's first layer, a later layer, outside the layers),
-    how it went (`renamed`: taken as its microbatch 0 counterpart's renamed; else stepped) — and return what
+    how it went (`renamed`: taken as its microbatch 0 counterpart's renamed, `in segments`: so, with the ops after
+    it in its run segment at once — `Renamed._renamed_run`; else stepped) — and return what
     gives the table: per kind, ops, seconds, microseconds an op and share of the timed seconds."""
     from tv_ray.parallel.pipeline import LAYER
     from tv_ray.partition import microbatches, stages
@@ -126,23 +127,30 @@ def op_costs(plan):
             places[name, node.name] = (f"microbatch {'0' if node.get_meta('mb') in (0, None) else 'k'}",
                                        "outside layers" if at is None else
                                        "first layer" if at == first else "later layers")
-    seconds, ops, renamed = {}, {}, [False]
+    seconds, ops, renamed, segment = {}, {}, [False], [0]
     compute, take = stages.SymbolicRun._compute, microbatches.Renamed._renamed
+    take_segment = microbatches.Renamed._take_segment
 
     def taken(self, state, node):
         renamed[0] = take(self, state, node)
         return renamed[0]
 
+    def segmented(self, state, run, *rest):
+        segment[0] = len(run.nodes)
+        return take_segment(self, state, run, *rest)
+
     def timed(self, state, node):
-        renamed[0] = False
+        renamed[0], segment[0] = False, 0
         start = time.perf_counter()
         done = compute(self, state, node)
         spent = time.perf_counter() - start
-        kind = places[state.name, node.name] + ("renamed" if renamed[0] else "stepped",)
+        kind = places[state.name, node.name] + ("in segments" if segment[0] else
+                                                "renamed" if renamed[0] else "stepped",)
         seconds[kind] = seconds.get(kind, 0.0) + spent
-        ops[kind] = ops.get(kind, 0) + 1
+        ops[kind] = ops.get(kind, 0) + (segment[0] or 1)
         return done
     stages.SymbolicRun._compute, microbatches.Renamed._renamed = timed, taken
+    microbatches.Renamed._take_segment = segmented
 
     def table() -> list[dict]:
         total = sum(seconds.values())

@@ -18,7 +18,8 @@ from tv_ray.partition.claims import _Matcher
 from tv_ray.partition.compose import composition_problems
 from tv_ray.partition.derive import claims_for
 from tv_ray.partition.generate import partition
-from tv_ray.partition.microbatches import CopyIndex, counterparts
+from tv_ray.partition import microbatches
+from tv_ray.partition.microbatches import CopyIndex, Renamed, counterparts, runs
 from tv_ray.partition.symmetry import find_mirrors, microbatch_moves
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
@@ -29,16 +30,72 @@ def _stages(part) -> list[tuple]:
     return [(o.id, o.ranks, o.key, o.reads, o.claim, o.position, o.mb) for o in part.every()]
 
 
+def _segments_taken(monkeypatch) -> list[int]:
+    """The ops of each run segment taken at once (`Renamed._take_segment`), from here on."""
+    taken, take = [], Renamed._take_segment
+    monkeypatch.setattr(Renamed, "_take_segment",
+                        lambda self, state, segment, *rest: taken.append(len(segment.nodes)) or
+                        take(self, state, segment, *rest))
+    return taken
+
+
 @pytest.mark.parametrize("spec", ["dp=2,tp=2,pp=2,mb=4", ParallelSpec.parse("tp=2,pp=2,mb=4", sp=True)],
                          ids=str)
-def test_renamed_ops_give_the_stages_of_evaluating_every_op(claimed, spec):
+def test_renamed_ops_give_the_stages_of_evaluating_every_op(claimed, spec, monkeypatch):
+    """Renamed in run segments, renamed op by op, evaluated: the same stages, copies and keys."""
     plan, dims, claims = claimed(spec)
-    on, off = partition(plan, dims, claims, shards=False), partition(plan, dims, claims, shards=False, renamed=False)
-    assert off.renamed == 0 and on.renamed > 1000 and on.moved == off.moved > 1000
-    assert _stages(on) == _stages(off)
-    assert [(c.copy_ranks.tolist(), c.copy_of.tolist(), c.copy_mb.tolist(), c.notes) for c in (on, off)] == \
-        [(off.copy_ranks.tolist(), off.copy_of.tolist(), off.copy_mb.tolist(), off.notes)] * 2
-    assert on.formulas.keys() == off.formulas.keys()
+    taken = _segments_taken(monkeypatch)
+    on = partition(plan, dims, claims, shards=False)
+    monkeypatch.setattr(microbatches, "MIN_RUN", 10 ** 9)
+    alone, off = partition(plan, dims, claims, shards=False), partition(plan, dims, claims, shards=False,
+                                                                        renamed=False)
+    assert off.renamed == 0 and on.renamed == alone.renamed > 1000 and on.moved == off.moved > 1000
+    assert len(taken) > 50 and sum(taken) > on.renamed / 2
+    for part in (on, alone):
+        assert _stages(part) == _stages(off)
+        assert (part.copy_ranks.tolist(), part.copy_of.tolist(), part.copy_mb.tolist(), part.notes) == \
+            (off.copy_ranks.tolist(), off.copy_of.tolist(), off.copy_mb.tolist(), off.notes)
+        assert part.formulas.keys() == off.formulas.keys()
+
+
+def test_a_run_of_microbatch_k_pairs_with_microbatch_0s_wired_alike(claimed):
+    """Every op of a run is paired, its counterpart at the same place in its counterpart's run, every argument
+    from inside the run read from there by the counterpart too; collectives end runs and are paired."""
+    plan = claimed("tp=2,pp=2,mb=4")[0]
+    program = plan.programs["stage1"]
+    at = {node.name: i for i, node in enumerate(program.nodes)}
+    pairs = counterparts(program)
+    found = runs(program, pairs, [[] for _ in program.nodes], at)
+    assert sum(len(run.nodes) for run in found.values()) > len(pairs) / 2
+    assert any(n.op == Op.ALL_REDUCE and n.name in pairs for n in program.nodes)
+    for start, run in found.items():
+        first = at[run.bases[0]]
+        assert len(run.nodes) >= microbatches.MIN_RUN and program.nodes[start] is run.nodes[0]
+        for i, (node, base) in enumerate(zip(run.nodes, run.bases)):
+            assert pairs[node.name] == base and at[base] == first + i and node.get_meta("mb") == run.k > 0
+            assert node.op not in (Op.ALL_REDUCE, Op.SEND, Op.RECV)
+            for j, (mine, theirs) in zip(run.wiring[i], zip(node.args, program.value(base).args)):
+                assert (mine, theirs) == ((run.nodes[j].name, run.bases[j]) if j >= 0 else run.entries[-1 - j])
+
+
+def test_a_segment_whose_entry_is_another_microbatchs_value_is_taken_op_by_op_and_refuted(claimed, monkeypatch):
+    """mm_3@2 reads microbatch 1's attention output, in a pipeline stage where the ops of microbatch 2 around it
+    run in segments: it starts a run whose entry is microbatch 1's value, not σ₂ of its counterpart's — the
+    segment is refused, the op evaluated and refuted there."""
+    plan = claimed("pp=2,mb=4")[0]
+    name = next(n for n, p in plan.programs.items() if any(node.name == "mm_3@2" for node in p.nodes))
+    program = plan.programs[name]
+    mm = program.value("mm_3@2")
+    wrong = _like(mm, "mm_3@2", "mm", ["view_11@1", mm.args[1]])
+    mutant = with_program(plan, name, edit(program, name, change={"mm_3@2": wrong}))
+    at = {node.name: i for i, node in enumerate(mutant.programs[name].nodes)}
+    run = runs(mutant.programs[name], counterparts(mutant.programs[name]), [[] for _ in at], at)[at["mm_3@2"]]
+    assert ("view_11@1", "view_11@0") in run.entries
+    taken = _segments_taken(monkeypatch)
+    outcome = _verify(mutant)
+    first = outcome.first_refuted()
+    assert outcome.status == "refuted" and sum(taken) > 200
+    assert (str(first.id), first.mb, first.module) == (f"r{first.ranks[0]}/mm_3@2", 2, "layers.0.attn.o_proj")
 
 
 def test_each_op_of_a_microbatch_pairs_with_microbatch_0s_at_its_place(claimed):

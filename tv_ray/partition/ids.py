@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+NOTHING: frozenset = frozenset()     # what an op reads when its arguments read no claim
 PREFIX = {"in": "in:r", "r": "r", "g": "g", "opaque": "opaque:r"}
 
 

@@ -35,6 +35,14 @@ evaluating would build a stage in full — the memo found microbatch 0's cut
 by its claim, and another op cut at that claim — it takes its counterpart's
 key here, so a plan may have fewer unique keys.
 
+Where microbatch k's ops run one after the other (a pipeline schedule), the
+checks are made per stretch: a `Run` pairs a stretch of them with a stretch
+of microbatch 0's wired alike, and `_renamed_run` takes its segments — the
+ops taken whatever k is, checked once per rank and counterpart stretch — at
+once, after checking what depends on k (the entries, the claims, the reads
+of the entries) for the whole segment; the stages are those of taking each
+op alone (docs/templates.md).
+
 A stage of microbatch k taken as microbatch 0's (here or by `_moved_stage`)
 is kept in the instantiation map as (that stage, k) rather than recorded,
 where `Shifts` expands it to exactly the stage recorded there; in the
@@ -47,10 +55,12 @@ from array import array
 import numpy as np
 
 from tv_ray.ir import Graph
-from tv_ray.partition.ids import StageId
+from tv_ray.ir.ops import COMMUNICATION
+from tv_ray.partition.ids import NOTHING, StageId
 from tv_ray.partition.lazy import Continued, Deferred
 
 SIGNATURE = ("op", "attrs", "shape", "dtype")
+MIN_RUN = 4     # the fewest ops `Renamed._renamed_run` takes at once; a shorter stretch is taken op by op
 
 
 class Moved:
@@ -94,7 +104,9 @@ class Shifts:
         self.mb: dict[str, dict[str, int]] = {}        # program -> op of microbatch k -> k
         # program -> op of microbatch k -> (its counterpart, their arguments side by side): what `_renamed` reads
         self.wiring: dict[str, dict[str, tuple]] = {}
-        self.images: dict[str, frozenset[str]] = {}    # program -> the counterparts (`_keep`)
+        # program -> the counterparts and what they read (`_keep`): a value an op reads must be its counterpart's
+        # argument renamed, so that argument is kept too — a collective's result, say, which no microbatch pairs
+        self.images: dict[str, frozenset[str]] = {}
         for name in set(self.program_of):
             program = plan.programs[name]
             mb = {node.name: node.get_meta("mb") for node in program.nodes}
@@ -103,7 +115,7 @@ class Shifts:
             self.mb[name] = {op: mb[op] for op in pairs}
             nodes = {n.name: n for n in program.nodes}
             self.wiring[name] = {op: (base, tuple(zip(nodes[op].args, nodes[base].args))) for op, base in pairs.items()}
-            self.images[name] = frozenset(pairs.values())
+            self.images[name] = frozenset(pairs.values()).union(*(nodes[base].args for base in pairs.values()))
 
     def rename_id(self, cid: StageId, k: int) -> StageId:
         """A stage or claim id of microbatch 0 as microbatch k's (an input, or an op no microbatch pairs, is
@@ -178,6 +190,65 @@ def counterparts(program: Graph) -> dict[str, str]:
     return pairs
 
 
+class Run:
+    """A stretch of microbatch k's ops, no communication among them, paired op by op with a stretch of microbatch
+    0's wired alike: where an op reads an op of its stretch, its counterpart reads that op's counterpart, and what
+    else it reads comes from before the stretch (an entry) as its counterpart's does. `Renamed._renamed_run` takes
+    it at once."""
+
+    __slots__ = ("start", "k", "nodes", "bases", "entries", "wiring", "alone", "live", "frees")
+
+    def __init__(self, nodes, at: dict[str, int], pairs: dict[str, str], frees: list[list[str]], start: int,
+                 stop: int):
+        self.start, self.nodes = start, nodes[start:stop]
+        self.k = self.nodes[0].get_meta("mb")
+        self.bases = tuple(pairs[node.name] for node in self.nodes)
+        entries: dict[tuple[str, str], int] = {}    # (the name read, the counterpart's) -> its index
+        wiring = []                 # per op, per argument: j ≥ 0 the stretch's op j, else entry -1 - j
+        for node, base in zip(self.nodes, self.bases):
+            wiring.append(tuple(at[mine] - start if start <= at.get(mine, -1) < stop else
+                                -1 - entries.setdefault((mine, theirs), len(entries))
+                                for mine, theirs in zip(node.args, nodes[at[base]].args)))
+        self.entries, self.wiring = tuple(entries), tuple(wiring)
+        # the entries of each op that reads nothing else: one must be moved (else the op is not renamed)
+        self.alone = tuple(tuple(-1 - j for j in w) for w in wiring if max(w) < 0)
+        freed = {name for pc in range(start, stop) for name in frees[pc]}
+        self.live = tuple(i for i, node in enumerate(self.nodes) if node.name not in freed)
+        self.frees = tuple(name for name in freed if at.get(name, -1) < start)
+
+
+def runs(program: Graph, pairs: dict[str, str], frees: list[list[str]], at: dict[str, int]) -> dict[int, Run]:
+    """The program's `Run`s of at least `MIN_RUN` ops, by first position (`at`: each op's)."""
+    nodes = program.nodes
+    found, start = {}, 0
+    while start < len(nodes):
+        stop = _run_end(nodes, at, pairs, start)
+        if stop - start >= MIN_RUN:
+            found[start] = Run(nodes, at, pairs, frees, start, stop)
+        start = max(stop, start + 1)
+    return found
+
+
+def _run_end(nodes, at: dict[str, int], pairs: dict[str, str], start: int) -> int:
+    """Where the run from `start` ends (`start` itself: no run)."""
+    def taken(node) -> bool:
+        return node.name in pairs and bool(node.args) and node.op not in COMMUNICATION
+
+    if not taken(nodes[start]):
+        return start
+    k, first = nodes[start].get_meta("mb"), at[pairs[nodes[start].name]]
+    stop = start + 1
+    while stop < len(nodes) and taken(node := nodes[stop]) and node.get_meta("mb") == k and \
+            at[pairs[node.name]] == first + stop - start:
+        for mine, theirs in zip(node.args, nodes[at[pairs[node.name]]].args):
+            i, j = at.get(mine, -1), at.get(theirs, -1)
+            inside, theirs_inside = start <= i < stop, first <= j < first + stop - start
+            if inside != theirs_inside or inside and j - first != i - start:
+                return stop
+        stop += 1
+    return stop
+
+
 class Renamed:
     """The renamed ops of a `SymbolicRun` (a mixin: it reads the run's moves, claims, sources, stages and
     stand-ins)."""
@@ -192,6 +263,11 @@ class Renamed:
         self._kept: dict[int, dict] = {}         # rank -> counterpart (or input) -> its value after its op
         self._stage_at: dict[int, dict[str, int]] = {}   # rank -> op of microbatch 0 -> its stage's index
         self.renamed = 0                          # ops taken as their counterparts' renamed
+        # program -> its runs by first position, and its ops' positions (`_program_runs`); None: no runs
+        self._runs: dict[str, tuple[dict[int, Run], dict[str, int]]] | None = {} if on else None
+        self._run_parts: dict[tuple[str, int, int], Run] = {}     # (program, first, end) -> a run's segment
+        self._segment_checks: dict[tuple, list] = {}    # (rank, a run's counterparts) -> its segments' (`_segments`)
+        self._segment_at: dict[int, dict[int, tuple]] = {}    # rank -> segments ahead by first position
         self.shifted = array("i"), array("i")     # (microbatch 0's stage, k) of each stage kept as a copy
 
     def _keep(self, state, node, value) -> None:
@@ -238,6 +314,176 @@ class Renamed:
         self.renamed += 1
         self._passed(state, node, Moved(kept[base], k))
         return True
+
+    def _renamed_run(self, state) -> bool:
+        """Take the ops from here to the end of their run segment (`_segments`) at once, each as `_renamed` would
+        take it alone — every op its counterpart's value renamed, every cut its counterpart's stage kept as a
+        microbatch copy, in the same order — where what `_renamed` checks op by op and depends on k holds (the
+        entries, the claims, the reads of the entries); else False."""
+        if self._runs is None or not self._movable(state.rank):
+            return False
+        rank, env = state.rank, state.env
+        ahead = self._segment_at.setdefault(rank, {})
+        if state.pc not in ahead:
+            run = self._program_runs(state)[0].get(state.pc)
+            if run is None:
+                return False
+            for segment, checked in self._segments(state, run):
+                ahead[segment.start] = segment, checked
+            if state.pc not in ahead:
+                return False
+        segment, checked = ahead.pop(state.pc)
+        if rank in self.mirrors_of and not self._renamed_throughout_run(rank, segment):
+            return False
+        k, kept = segment.k, self._kept[rank]
+        moved = [False] * len(segment.entries)
+        for e, (name, theirs) in enumerate(segment.entries):
+            value = env[name]
+            if name != theirs:
+                if not isinstance(value, Moved) or value.base is not kept.get(theirs) or value.k != k:
+                    return False
+                moved[e] = True
+            elif not isinstance(value, (np.ndarray, Continued, Deferred)) or not self._fixed(rank, value, k):
+                return False
+        if not all(any(moved[e] for e in alone) for alone in segment.alone):
+            return False
+        mine, stages, entry_reads, live = checked
+        claims, move = self.claims, self.moves.blocks.move
+        for node, claim0 in zip(segment.nodes, mine):
+            if node.dtype == "float":
+                claim = claims.get((rank, node.name))
+                if (claim is None) != (claim0 is None) or claim is not None and move(claim0, k) != claim:
+                    return False
+        shifts = self.shifts
+        for i, cuts, entries, first in entry_reads:
+            renamed = [shifts.rename_id(r, k) for r in first.reads]
+            reads = self._segment_reads(rank, segment, cuts, entries)
+            if len(renamed) != len(reads) or set(renamed) != reads:
+                return False
+        self._take_segment(state, segment, stages, [(i, self._segment_reads(rank, segment, cuts, entries))
+                                                     for i, cuts, entries in live])
+        return True
+
+    def _segment_reads(self, rank: int, segment: Run, cuts, entries) -> frozenset:
+        """The claims read by the segment's cuts `cuts` and by what its entries `entries` read."""
+        return frozenset(StageId("r", (rank,), segment.nodes[j].name) for j in cuts).union(
+            *(self.sources.get((rank, segment.entries[e][0]), NOTHING) for e in entries))
+
+    def _take_segment(self, state, segment: Run, stages, live) -> None:
+        """What `_renamed` leaves after each op of the segment, at once."""
+        rank, k, env = state.rank, segment.k, state.env
+        fan = self.mirrors_of.get(rank)
+        for i, at in stages:
+            self.moved += 1
+            self.shifted[0].append(at)
+            self.shifted[1].append(k)
+            if fan:                     # `_copy_mirrors`
+                self.copied[0].append(rank)
+                self.copied[1].append(segment.start + i)
+                self.copied_of[0].append(at)
+                self.copied_of[1].append(k)
+                self.fanned.append(1)
+                self.copied_stages += len(fan)
+        if stages:
+            self._latest = (stages[-1][1], k)
+        kept = self._kept[rank]
+        for i, reads in live:
+            name = segment.nodes[i].name
+            env[name] = Moved(kept[segment.bases[i]], k)
+            self.sources[rank, name] = reads
+        for name in segment.frees:
+            del env[name]
+            self.sources.pop((rank, name), None)
+            self.provenance.pop((rank, name), None)
+            self._forget_kind(rank, name)
+        self.renamed += len(segment.nodes)
+        state.pc += len(segment.nodes)
+        self._stepped_past(state, len(segment.nodes))
+
+    def _program_runs(self, state) -> tuple[dict[int, Run], dict[str, int]]:
+        """The program's runs by first position, and its ops' positions."""
+        found = self._runs.get(state.name)
+        if found is None:
+            at = {node.name: i for i, node in enumerate(state.program.nodes)}
+            found = self._runs[state.name] = runs(state.program, self.shifts.pairs[state.name],
+                                                  self.frees[state.name], at), at
+        return found
+
+    def _segments(self, state, run: Run) -> list[tuple[Run, tuple]]:
+        """The run's segments on this rank: its longest stretches of ops `_renamed` takes as renamed whatever k is
+        (`_taken`), of at least `MIN_RUN` ops, each a `Run` with what `_renamed_run` reads of it that is the same
+        for every k (`_wired`) — found once per rank and counterpart stretch."""
+        key = (state.rank, run.bases[0], run.wiring)
+        found = self._segment_checks.get(key)
+        if found is None:
+            taken = [self._taken(state, node, base, run.k) for node, base in zip(run.nodes, run.bases)]
+            found = self._segment_checks[key] = []
+            a = 0
+            for b in range(len(taken) + 1):
+                if b == len(taken) or taken[b] is None:
+                    if b - a >= MIN_RUN:
+                        checked = self._wired(state.rank, self._segment(state, run, a, b), taken[a:b])
+                        if checked is not None:
+                            found.append((a, b, checked))
+                    a = b + 1
+        return [(self._segment(state, run, a, b), checked) for a, b, checked in found]
+
+    def _segment(self, state, run: Run, a: int, b: int) -> Run:
+        """Ops [a, b) of the run, as a run of their own."""
+        if a == 0 and b == len(run.nodes):
+            return run
+        parts = self._program_runs(state)
+        key = (state.name, run.start + a, run.start + b)
+        part = self._run_parts.get(key)
+        if part is None:
+            part = self._run_parts[key] = Run(state.program.nodes, parts[1], self.shifts.pairs[state.name],
+                                              self.frees[state.name], run.start + a, run.start + b)
+        return part
+
+    def _taken(self, state, node, base: str, k: int):
+        """What `_renamed` and `_renamed_cut` (with `_expands_to`) check of an op of microbatch k that is the same
+        for every k: None where the op is not taken as its counterpart's renamed; else (its counterpart's claim,
+        its counterpart's stage) for a cut, kept as a microbatch copy — the claim must be moved to k — and
+        (None, None) for an op no claim cuts."""
+        rank = state.rank
+        kept = self._kept.get(rank, {})
+        if base not in kept or (rank, base) in self.opaque:
+            return None
+        claim = self.claims.get((rank, base)) if node.dtype == "float" else None
+        if claim is None:
+            return None, None
+        at = self._stage_at.get(rank, {}).get(base)
+        first = self.obligations[at] if at is not None else None
+        if claim.partial or first is None or first.ranks != (rank,) or first.id != StageId("r", (rank,), base) or \
+                self.moves.blocks.tags.get(claim.logical) is None or not self.moves.first(claim) or \
+                self._conts.get(rank, {}).get(place(claim)) is not kept[base] or first.program != state.name or \
+                first.notes or self._info_of(node) != (first.op, first.module, first.phase, first.realises, k):
+            return None
+        return claim, at
+
+    def _wired(self, rank: int, segment: Run, taken: list) -> tuple | None:
+        """What `_renamed_run` reads of a segment (its ops `taken`): each float op's counterpart's claim where it is
+        a cut; (op, its counterpart's stage) of each cut; the cuts whose reads include what the entries read, as
+        (op, the segment's cuts and entries it reads, its counterpart's stage) — the others must read the cuts
+        their counterparts read, renamed (else None: not taken at once); (op, cuts and entries read) of each value
+        that outlives the segment."""
+        mine, stages, entry_reads, reads_of = [], [], [], []
+        for i, (wiring, (claim, at)) in enumerate(zip(segment.wiring, taken)):
+            cuts = frozenset().union(*(reads_of[j][0] for j in wiring if j >= 0))
+            entries = frozenset().union(*(reads_of[j][1] for j in wiring if j >= 0), (-1 - j for j in wiring if j < 0))
+            mine.append(claim)
+            if claim is None:
+                reads_of.append((cuts, entries))
+                continue
+            first = self.obligations[at]
+            if entries:
+                entry_reads.append((i, cuts, entries, first))
+            elif len(first.reads) != len(cuts) or \
+                    set(first.reads) != {StageId("r", (rank,), segment.bases[j]) for j in cuts}:
+                return None
+            stages.append((i, at))
+            reads_of.append((frozenset({i}), frozenset()))
+        return mine, stages, entry_reads, [(i, *reads_of[i]) for i in segment.live]
 
     def _renamed_cut(self, state, node, base: str, claim, k: int) -> bool:
         """A cut whose claim is the counterpart's moved to block k: the counterpart's stage, renamed."""

@@ -51,7 +51,7 @@ from tv_ray.partition.claims import Claim
 from tv_ray.partition.keys import content_digests, formula_key
 from tv_ray.partition.lazy import COMPUTED, Continued, Contribution, Deferred, Free, terms_of
 from tv_ray.partition.logical import LogicalTerms, atoms
-from tv_ray.partition.ids import Part, StageId
+from tv_ray.partition.ids import NOTHING, Part, StageId
 from tv_ray.partition.microbatches import LAZY, Accumulated, CopyIndex, Moved, Renamed, Shifts, place
 from tv_ray.partition.standins import Mirrored, StandIns, constant
 from tv_ray.partition.symmetry import Mirrors, Moves
@@ -63,7 +63,6 @@ from tv_ray.terms import Kind, Term, postorder, substitute, sum_
 from tv_ray.terms.linear import collect
 
 BAR_STEP = 4096              # ops stepped between progress bar updates
-NOTHING: frozenset = frozenset()     # an op's reads when its arguments read no claim
 REPLAY_DEPTH = 4             # ops a pipeline shard re-runs to rebuild a value another shard sends uncut
 EXPAND_ROUNDS = 24
 EXPAND_GROWTH, EXPAND_SLACK = 3, 1000      # stop unfolding past 3x the formula's size + 1000 nodes
@@ -894,24 +893,28 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
         self._passed(state, node, value)
 
     def _compute(self, state, node: Node) -> bool:
-        return self._renamed(state, node) or super()._compute(state, node)
+        return self._renamed_run(state) or self._renamed(state, node) or super()._compute(state, node)
 
     def _passed(self, state, node: Node, value) -> None:
         """The rank steps past the op with `value`; what nothing reads again is dropped."""
         freed = self.frees[state.name][state.pc]
         super()._advance(state, node, value)
-        self._stepped += 1
-        if self.bar is not None and self._stepped % BAR_STEP == 0:
-            self._show(BAR_STEP)
         for name in freed:                  # a value read for the last time: nothing reads its sources again
             self.sources.pop((state.rank, name), None)
             self.provenance.pop((state.rank, name), None)
             self._forget_kind(state.rank, name)
+        self._stepped_past(state, 1)
+
+    def _stepped_past(self, state, ops: int) -> None:
+        """The rank stepped past `ops` more ops: the progress bar, and a finished rank's microbatch 0 dropped."""
+        before, self._stepped = self._stepped, self._stepped + ops
+        if self.bar is not None and self._stepped // BAR_STEP > before // BAR_STEP:
+            self._show(BAR_STEP * (self._stepped // BAR_STEP - before // BAR_STEP))
         if state.done:
             if self.bar is not None:
                 self.bar.update(self._stood_in_ops(state))
             for held in (self._memo, self._conts, self._parts0, self._cuts0, self._footprints, self._kept,
-                         self._stage_at):
+                         self._stage_at, self._segment_at):
                 held.pop(state.rank, None)
 
     def _cut(self, state, node: Node, value, claim: Claim, made: tuple | None = None, kind=None):

@@ -119,6 +119,14 @@ class StandIns:
         kinds = [self._kinds.get((rank, a)) for a in node.args]
         return all(k is None or k is CONSTANT for k in kinds) and any(k is None for k in kinds)
 
+    def _renamed_throughout_run(self, rank: int, run) -> bool:
+        """`_renamed_throughout` at every op of a `Run` (`tv_ray.partition.microbatches`): its mirrors hold the
+        run's entries renamed or constant, and each op reading entries alone reads one renamed (the run's own
+        values are renamed)."""
+        kinds = [self._kinds.get((rank, name)) for name, _ in run.entries]
+        return all(kind is None or kind is CONSTANT for kind in kinds) and \
+            all(any(kinds[e] is None for e in alone) for alone in run.alone)
+
     def _own_op(self, state, node: Node, kinds) -> dict:
         """Each mirror computes an op on values of its own (and constants, the representative's), as stepping it
         would: its own result."""
