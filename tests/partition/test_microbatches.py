@@ -19,7 +19,7 @@ from tv_ray.partition.compose import composition_problems
 from tv_ray.partition.derive import claims_for
 from tv_ray.partition.generate import partition
 from tv_ray.partition import microbatches
-from tv_ray.partition.microbatches import CopyIndex, Renamed, counterparts, runs
+from tv_ray.partition.microbatches import CopyIndex, GroupCut, Renamed, counterparts, runs
 from tv_ray.partition.symmetry import find_mirrors, microbatch_moves
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
@@ -30,19 +30,22 @@ def _stages(part) -> list[tuple]:
     return [(o.id, o.ranks, o.key, o.reads, o.claim, o.position, o.mb) for o in part.every()]
 
 
-def _segments_taken(monkeypatch) -> list[int]:
-    """The ops of each run segment taken at once (`Renamed._take_segment`), from here on."""
+def _segments_taken(monkeypatch) -> list[tuple[int, int]]:
+    """The ops and partial cuts of each run segment taken at once (`Renamed._take_segment`), from here on."""
     taken, take = [], Renamed._take_segment
-    monkeypatch.setattr(Renamed, "_take_segment",
-                        lambda self, state, segment, *rest: taken.append(len(segment.nodes)) or
-                        take(self, state, segment, *rest))
+
+    def spy(self, state, segment, groups, cuts, live):
+        taken.append((len(segment.nodes), sum(isinstance(at, GroupCut) for _, at, *_ in cuts)))
+        return take(self, state, segment, groups, cuts, live)
+    monkeypatch.setattr(Renamed, "_take_segment", spy)
     return taken
 
 
 @pytest.mark.parametrize("spec", ["dp=2,tp=2,pp=2,mb=4", ParallelSpec.parse("tp=2,pp=2,mb=4", sp=True)],
                          ids=str)
 def test_renamed_ops_give_the_stages_of_evaluating_every_op(claimed, spec, monkeypatch):
-    """Renamed in run segments, renamed op by op, evaluated: the same stages, copies and keys."""
+    """Renamed in run segments (partial cuts among them), renamed op by op, evaluated: the same stages, copies and
+    keys."""
     plan, dims, claims = claimed(spec)
     taken = _segments_taken(monkeypatch)
     on = partition(plan, dims, claims, shards=False)
@@ -50,7 +53,7 @@ def test_renamed_ops_give_the_stages_of_evaluating_every_op(claimed, spec, monke
     alone, off = partition(plan, dims, claims, shards=False), partition(plan, dims, claims, shards=False,
                                                                         renamed=False)
     assert off.renamed == 0 and on.renamed == alone.renamed > 1000 and on.moved == off.moved > 1000
-    assert len(taken) > 50 and sum(taken) > on.renamed / 2
+    assert len(taken) > 50 and sum(ops for ops, _ in taken) > on.renamed / 2 and sum(g for _, g in taken) > 100
     for part in (on, alone):
         assert _stages(part) == _stages(off)
         assert (part.copy_ranks.tolist(), part.copy_of.tolist(), part.copy_mb.tolist(), part.notes) == \
@@ -94,7 +97,7 @@ def test_a_segment_whose_entry_is_another_microbatchs_value_is_taken_op_by_op_an
     taken = _segments_taken(monkeypatch)
     outcome = _verify(mutant)
     first = outcome.first_refuted()
-    assert outcome.status == "refuted" and sum(taken) > 200
+    assert outcome.status == "refuted" and sum(ops for ops, _ in taken) > 200
     assert (str(first.id), first.mb, first.module) == (f"r{first.ranks[0]}/mm_3@2", 2, "layers.0.attn.o_proj")
 
 

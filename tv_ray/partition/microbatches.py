@@ -51,9 +51,11 @@ composition its id stands for microbatch 0's (`Partition.representative`).
 from __future__ import annotations
 
 from array import array
+from typing import NamedTuple
 
 import numpy as np
 
+from tv_ray.errors import TvRayError
 from tv_ray.ir import Graph
 from tv_ray.ir.ops import COMMUNICATION
 from tv_ray.partition.ids import NOTHING, StageId
@@ -190,13 +192,22 @@ def counterparts(program: Graph) -> dict[str, str]:
     return pairs
 
 
+class GroupCut(NamedTuple):
+    """A partial cut of a run segment (`Renamed._taken`): its group, its counterpart's value before the cut and the
+    id of its counterpart's stage."""
+
+    members: tuple[int, ...]
+    value: object
+    first: StageId
+
+
 class Run:
     """A stretch of microbatch k's ops, no communication among them, paired op by op with a stretch of microbatch
     0's wired alike: where an op reads an op of its stretch, its counterpart reads that op's counterpart, and what
     else it reads comes from before the stretch (an entry) as its counterpart's does. `Renamed._renamed_run` takes
     it at once."""
 
-    __slots__ = ("start", "k", "nodes", "bases", "entries", "wiring", "alone", "live", "frees")
+    __slots__ = ("start", "k", "nodes", "bases", "entries", "wiring", "alone", "live", "frees", "gone")
 
     def __init__(self, nodes, at: dict[str, int], pairs: dict[str, str], frees: list[list[str]], start: int,
                  stop: int):
@@ -215,6 +226,7 @@ class Run:
         freed = {name for pc in range(start, stop) for name in frees[pc]}
         self.live = tuple(i for i, node in enumerate(self.nodes) if node.name not in freed)
         self.frees = tuple(name for name in freed if at.get(name, -1) < start)
+        self.gone = tuple(node.name for node in self.nodes if node.name in freed)     # its own values read last in it
 
 
 def runs(program: Graph, pairs: dict[str, str], frees: list[list[str]], at: dict[str, int]) -> dict[int, Run]:
@@ -347,57 +359,74 @@ class Renamed:
                 return False
         if not all(any(moved[e] for e in alone) for alone in segment.alone):
             return False
-        mine, stages, entry_reads, live = checked
-        claims, move = self.claims, self.moves.blocks.move
+        mine, groups, cuts, entry_reads, live = checked
+        claims, move, paired = self.claims, self.moves.blocks.move, self.moves.pairs.get(k, {})
         for node, claim0 in zip(segment.nodes, mine):
             if node.dtype == "float":
                 claim = claims.get((rank, node.name))
                 if (claim is None) != (claim0 is None) or claim is not None and move(claim0, k) != claim:
                     return False
+        for i, at, *_ in cuts:        # a partial cut's free parts pair with its counterpart's (`_moved_part`)
+            if isinstance(at, GroupCut):
+                cid = StageId.group(at.members, segment.nodes[i].name)
+                if paired.get(at.first, cid) != cid or paired.get(cid, at.first) != at.first:
+                    return False
         shifts = self.shifts
-        for i, cuts, entries, first in entry_reads:
+        for i, within, entries, first in entry_reads:
             renamed = [shifts.rename_id(r, k) for r in first.reads]
-            reads = self._segment_reads(rank, segment, cuts, entries)
+            reads = self._segment_reads(rank, segment, groups, within, entries)
             if len(renamed) != len(reads) or set(renamed) != reads:
                 return False
-        self._take_segment(state, segment, stages, [(i, self._segment_reads(rank, segment, cuts, entries))
-                                                     for i, cuts, entries in live])
+        self._take_segment(state, segment, groups, cuts, live)
         return True
 
-    def _segment_reads(self, rank: int, segment: Run, cuts, entries) -> frozenset:
-        """The claims read by the segment's cuts `cuts` and by what its entries `entries` read."""
-        return frozenset(StageId("r", (rank,), segment.nodes[j].name) for j in cuts).union(
+    def _segment_reads(self, rank: int, segment: Run, groups, within, entries) -> frozenset:
+        """The claims read by the segment's cuts `within` (each cut by `groups`) and by what its entries `entries`
+        read."""
+        return frozenset(StageId.group(groups[j], segment.nodes[j].name) for j in within).union(
             *(self.sources.get((rank, segment.entries[e][0]), NOTHING) for e in entries))
 
-    def _take_segment(self, state, segment: Run, stages, live) -> None:
-        """What `_renamed` leaves after each op of the segment, at once."""
-        rank, k, env = state.rank, segment.k, state.env
+    def _take_segment(self, state, segment: Run, groups, cuts, live) -> None:
+        """What `_renamed` (and, at a partial cut, `_cut`) leaves after each op of the segment, at once: its cuts in
+        order, then what outlives it."""
+        rank, k, env, start = state.rank, segment.k, state.env, segment.start
+        reads = [(i, self._segment_reads(rank, segment, groups, within, entries)) for i, within, entries in live]
         fan = self.mirrors_of.get(rank)
-        for i, at in stages:
+        kept = self._kept[rank]
+        for i, at, *read in cuts:
+            if isinstance(at, GroupCut):
+                node = segment.nodes[i]
+                state.pc = start + i
+                out = self._cut(state, node, Moved(at.value, k), self.claims[rank, node.name],
+                                reads=self._segment_reads(rank, segment, groups, *read))[0]
+                if not isinstance(out, Moved) or out.base is not kept[segment.bases[i]] or out.k != k:
+                    raise TvRayError(f"{self.plan.describe(rank)} {node.name}: a partial cut in a run segment "
+                                     f"continues from something other than its counterpart's part renamed")
+                continue
             self.moved += 1
             self.shifted[0].append(at)
             self.shifted[1].append(k)
+            self._latest = (at, k)
             if fan:                     # `_copy_mirrors`
                 self.copied[0].append(rank)
-                self.copied[1].append(segment.start + i)
+                self.copied[1].append(start + i)
                 self.copied_of[0].append(at)
                 self.copied_of[1].append(k)
                 self.fanned.append(1)
                 self.copied_stages += len(fan)
-        if stages:
-            self._latest = (stages[-1][1], k)
-        kept = self._kept[rank]
-        for i, reads in live:
+        for i, read in reads:
             name = segment.nodes[i].name
             env[name] = Moved(kept[segment.bases[i]], k)
-            self.sources[rank, name] = reads
+            self.sources[rank, name] = read
         for name in segment.frees:
             del env[name]
             self.sources.pop((rank, name), None)
             self.provenance.pop((rank, name), None)
             self._forget_kind(rank, name)
-        self.renamed += len(segment.nodes)
-        state.pc += len(segment.nodes)
+        for name in segment.gone:           # a partial cut's sources, set by `_cut`
+            self.sources.pop((rank, name), None)
+        self.renamed += len(segment.nodes) - sum(isinstance(at, GroupCut) for _, at, *_ in cuts)
+        state.pc = start + len(segment.nodes)
         self._stepped_past(state, len(segment.nodes))
 
     def _program_runs(self, state) -> tuple[dict[int, Run], dict[str, int]]:
@@ -442,9 +471,11 @@ class Renamed:
 
     def _taken(self, state, node, base: str, k: int):
         """What `_renamed` and `_renamed_cut` (with `_expands_to`) check of an op of microbatch k that is the same
-        for every k: None where the op is not taken as its counterpart's renamed; else (its counterpart's claim,
-        its counterpart's stage) for a cut, kept as a microbatch copy — the claim must be moved to k — and
-        (None, None) for an op no claim cuts."""
+        for every k: None where the op is not taken as its counterpart's renamed; else, for a cut, its counterpart's
+        claim (which must be moved to k) with its counterpart's stage, kept as a microbatch copy — or for a partial
+        cut over a group in dp block 0, a `GroupCut`: stepping it evaluates it as its counterpart's value renamed
+        (`_moved`) and continues from its counterpart's part renamed (`_moved_part`) —; (None, None) for an op no
+        claim cuts."""
         rank = state.rank
         kept = self._kept.get(rank, {})
         if base not in kept or (rank, base) in self.opaque:
@@ -452,38 +483,60 @@ class Renamed:
         claim = self.claims.get((rank, base)) if node.dtype == "float" else None
         if claim is None:
             return None, None
+        if self.moves.blocks.tags.get(claim.logical) is None or not self.moves.first(claim):
+            return None
+        if claim.partial:
+            return self._group_cut(state, node, base, claim)
         at = self._stage_at.get(rank, {}).get(base)
         first = self.obligations[at] if at is not None else None
-        if claim.partial or first is None or first.ranks != (rank,) or first.id != StageId("r", (rank,), base) or \
-                self.moves.blocks.tags.get(claim.logical) is None or not self.moves.first(claim) or \
+        if first is None or first.ranks != (rank,) or first.id != StageId("r", (rank,), base) or \
                 self._conts.get(rank, {}).get(place(claim)) is not kept[base] or first.program != state.name or \
                 first.notes or self._info_of(node) != (first.op, first.module, first.phase, first.realises, k):
             return None
         return claim, at
 
+    def _group_cut(self, state, node, base: str, claim):
+        """`_taken` of a partial cut: its counterpart's claim and `GroupCut`, or None."""
+        rank, kept = state.rank, self._kept[state.rank]
+        members = self.members(rank, claim.partial)
+        if any(m in self.mirrored for m in members) or self._contributes(members, claim):
+            return None
+        args = [kept.get(name) for name in self._nodes[state.name][base].args]
+        value = self._memoized(rank, node, args) if all(a is not None for a in args) else None
+        cut = self._cuts0.get(rank, {}).get(place(claim))
+        part = self._parts0.get(rank, {}).get((place(claim), members.index(rank)))
+        if value is None or cut is None or cut[1] is not value or part is None or part[1] is not kept[base]:
+            return None
+        return claim, GroupCut(members, value, part[0])
+
     def _wired(self, rank: int, segment: Run, taken: list) -> tuple | None:
-        """What `_renamed_run` reads of a segment (its ops `taken`): each float op's counterpart's claim where it is
-        a cut; (op, its counterpart's stage) of each cut; the cuts whose reads include what the entries read, as
-        (op, the segment's cuts and entries it reads, its counterpart's stage) — the others must read the cuts
-        their counterparts read, renamed (else None: not taken at once); (op, cuts and entries read) of each value
-        that outlives the segment."""
-        mine, stages, entry_reads, reads_of = [], [], [], []
+        """What `_renamed_run` reads of a segment (its ops `taken`), or None where a cut reading only the segment's
+        own cuts does not read its counterpart's reads renamed (not taken at once): each float op's counterpart's
+        claim where it is a cut; each cut's group; the cuts in order, as (op, its counterpart's stage) or (op,
+        `GroupCut`, the segment's cuts and entries it reads); the cuts whose reads include what the entries read,
+        as (op, the segment's cuts and entries it reads, its counterpart's stage); (op, the segment's cuts and
+        entries read) of each value that outlives the segment."""
+        mine, groups, cuts, entry_reads, reads_of = [], [], [], [], []
         for i, (wiring, (claim, at)) in enumerate(zip(segment.wiring, taken)):
-            cuts = frozenset().union(*(reads_of[j][0] for j in wiring if j >= 0))
+            within = frozenset().union(*(reads_of[j][0] for j in wiring if j >= 0))
             entries = frozenset().union(*(reads_of[j][1] for j in wiring if j >= 0), (-1 - j for j in wiring if j < 0))
             mine.append(claim)
+            groups.append(None if claim is None else at.members if isinstance(at, GroupCut) else (rank,))
             if claim is None:
-                reads_of.append((cuts, entries))
+                reads_of.append((within, entries))
+                continue
+            reads_of.append((frozenset({i}), frozenset()))
+            if isinstance(at, GroupCut):
+                cuts.append((i, at, within, entries))
                 continue
             first = self.obligations[at]
             if entries:
-                entry_reads.append((i, cuts, entries, first))
-            elif len(first.reads) != len(cuts) or \
-                    set(first.reads) != {StageId("r", (rank,), segment.bases[j]) for j in cuts}:
+                entry_reads.append((i, within, entries, first))
+            elif len(first.reads) != len(within) or \
+                    set(first.reads) != {StageId.group(groups[j], segment.bases[j]) for j in within}:
                 return None
-            stages.append((i, at))
-            reads_of.append((frozenset({i}), frozenset()))
-        return mine, stages, entry_reads, [(i, *reads_of[i]) for i in segment.live]
+            cuts.append((i, at))
+        return mine, groups, cuts, entry_reads, [(i, *reads_of[i]) for i in segment.live]
 
     def _renamed_cut(self, state, node, base: str, claim, k: int) -> bool:
         """A cut whose claim is the counterpart's moved to block k: the counterpart's stage, renamed."""
@@ -536,4 +589,5 @@ def place(claim) -> tuple:
     return claim.logical, claim.offsets, claim.shape, claim.partial
 
 
-__all__ = ["counterparts", "place", "Renamed", "Shifts", "CopyIndex", "Moved", "Accumulated", "LAZY"]
+__all__ = ["counterparts", "runs", "place", "Renamed", "Run", "GroupCut", "Shifts", "CopyIndex", "Moved", "Accumulated",
+           "LAZY"]

@@ -661,14 +661,18 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
         ks = {a.k for a in args if isinstance(a, Moved)}
         if len(ks) != 1 or not self._movable(rank):
             return None
-        bases = [a.base if isinstance(a, Moved) else a for a in args]
-        entry = self._memo.get(rank, {}).get(_memo_key(node, bases))
-        if entry is None or any(x is not y for x, y in zip(entry[0], bases)):
+        out = self._memoized(rank, node, [a.base if isinstance(a, Moved) else a for a in args])
+        if out is None:
             return None
         k = ks.pop()
         if not all(isinstance(a, Moved) or self._fixed(rank, a, k) for a in args):
             return None
-        return Moved(entry[1], k)
+        return Moved(out, k)
+
+    def _memoized(self, rank: int, node: Node, args):
+        """Microbatch 0's result of the op on exactly these arguments (the very objects), None if none."""
+        entry = self._memo.get(rank, {}).get(_memo_key(node, args))
+        return None if entry is None or any(x is not y for x, y in zip(entry[0], args)) else entry[1]
 
     def _moved_group(self, node: Node, members, values) -> list[Moved] | None:
         ks = {v.k if isinstance(v, Moved) else None for v in values}
@@ -917,9 +921,10 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
                          self._stage_at, self._segment_at):
                 held.pop(state.rank, None)
 
-    def _cut(self, state, node: Node, value, claim: Claim, made: tuple | None = None, kind=None):
+    def _cut(self, state, node: Node, value, claim: Claim, made: tuple | None = None, kind=None, reads=None):
         """Record the stage (or its part) and return what the run continues from, with its provenance
-        (`kind`: what the rank's mirrors hold here when they are stood in for, `tv_ray.partition.standins`)."""
+        (`kind`: what the rank's mirrors hold here when they are stood in for, `tv_ray.partition.standins`;
+        `reads`: what the op's value read, when its arguments' sources are not held — a run segment's)."""
         rank = state.rank
         self._mirrored_cut(state, node, claim, kind)
         members = self.members(rank, claim.partial)
@@ -928,7 +933,7 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
         if not claim.partial and isinstance(value, Mirrored):
             self._copy(state)
             return Mirrored(claim.shape), None
-        reads = self._reads(state, node)
+        reads = self._reads(state, node) if reads is None else reads
         if not claim.partial:
             if not self._moved_stage(cid, members, state, node, claim, [value], reads):
                 self._record(cid, members, state, node, claim, [value], reads, made=made)
