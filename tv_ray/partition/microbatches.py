@@ -335,16 +335,19 @@ class Renamed:
         if self._runs is None or not self._movable(state.rank):
             return False
         rank, env = state.rank, state.env
-        ahead = self._segment_at.setdefault(rank, {})
-        if state.pc not in ahead:
+        ahead = self._segment_at.get(rank)
+        found = ahead.pop(state.pc, None) if ahead else None
+        if found is None:
             run = self._program_runs(state)[0].get(state.pc)
             if run is None:
                 return False
+            ahead = self._segment_at.setdefault(rank, {})
             for segment, checked in self._segments(state, run):
                 ahead[segment.start] = segment, checked
-            if state.pc not in ahead:
+            found = ahead.pop(state.pc, None)
+            if found is None:
                 return False
-        segment, checked = ahead.pop(state.pc)
+        segment, checked = found
         if rank in self.mirrors_of and not self._renamed_throughout_run(rank, segment):
             return False
         k, kept = segment.k, self._kept[rank]
@@ -391,7 +394,6 @@ class Renamed:
         order, then what outlives it."""
         rank, k, env, start = state.rank, segment.k, state.env, segment.start
         reads = [(i, self._segment_reads(rank, segment, groups, within, entries)) for i, within, entries in live]
-        fan = self.mirrors_of.get(rank)
         kept = self._kept[rank]
         for i, at, *read in cuts:
             if isinstance(at, GroupCut):
@@ -404,27 +406,18 @@ class Renamed:
                                      f"continues from something other than its counterpart's part renamed")
                 continue
             self.moved += 1
-            self.shifted[0].append(at)
-            self.shifted[1].append(k)
-            self._latest = (at, k)
-            if fan:                     # `_copy_mirrors`
-                self.copied[0].append(rank)
-                self.copied[1].append(start + i)
-                self.copied_of[0].append(at)
-                self.copied_of[1].append(k)
-                self.fanned.append(1)
-                self.copied_stages += len(fan)
+            self._keep_copy(at, k)
+            state.pc = start + i
+            self._copy_mirrors(state)
         for i, read in reads:
             name = segment.nodes[i].name
             env[name] = Moved(kept[segment.bases[i]], k)
             self.sources[rank, name] = read
         for name in segment.frees:
             del env[name]
-            self.sources.pop((rank, name), None)
-            self.provenance.pop((rank, name), None)
-            self._forget_kind(rank, name)
-        for name in segment.gone:           # a partial cut's sources, set by `_cut`
-            self.sources.pop((rank, name), None)
+            self._dropped(rank, name)
+        for name in segment.gone:           # its own values read last in it: a partial cut's sources, from `_cut`
+            self._dropped(rank, name)
         self.renamed += len(segment.nodes) - sum(isinstance(at, GroupCut) for _, at, *_ in cuts)
         state.pc = start + len(segment.nodes)
         self._stepped_past(state, len(segment.nodes))
@@ -461,12 +454,11 @@ class Renamed:
         """Ops [a, b) of the run, as a run of their own."""
         if a == 0 and b == len(run.nodes):
             return run
-        parts = self._program_runs(state)
         key = (state.name, run.start + a, run.start + b)
         part = self._run_parts.get(key)
         if part is None:
-            part = self._run_parts[key] = Run(state.program.nodes, parts[1], self.shifts.pairs[state.name],
-                                              self.frees[state.name], run.start + a, run.start + b)
+            part = self._run_parts[key] = Run(state.program.nodes, self._program_runs(state)[1],
+                                              self.shifts.pairs[state.name], self.frees[state.name], *key[1:])
         return part
 
     def _taken(self, state, node, base: str, k: int):
@@ -565,11 +557,15 @@ class Renamed:
         self.moved += 1
         first = self.obligations[at]
         if self._expands_to(first, k, cid, members, state, node, claim, reads):
-            self.shifted[0].append(at)
-            self.shifted[1].append(k)
-            self._latest = (at, k)
+            self._keep_copy(at, k)
         else:
             self._append(cid, members, state, node, claim, first.key, reads)
+
+    def _keep_copy(self, at: int, k: int) -> None:
+        """The stage just met is recorded stage `at` moved to microbatch k: a row of the instantiation map."""
+        self.shifted[0].append(at)
+        self.shifted[1].append(k)
+        self._latest = (at, k)
 
     def _expands_to(self, first, k: int, cid, members, state, node, claim, reads) -> bool:
         """Is `Shifts.shift(first, k)` (its position aside) exactly the stage `_obligation` records here? Field by

@@ -904,10 +904,14 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
         freed = self.frees[state.name][state.pc]
         super()._advance(state, node, value)
         for name in freed:                  # a value read for the last time: nothing reads its sources again
-            self.sources.pop((state.rank, name), None)
-            self.provenance.pop((state.rank, name), None)
-            self._forget_kind(state.rank, name)
+            self._dropped(state.rank, name)
         self._stepped_past(state, 1)
+
+    def _dropped(self, rank: int, name: str) -> None:
+        """What the run holds of a rank's value besides the value, dropped: nothing reads it again."""
+        self.sources.pop((rank, name), None)
+        self.provenance.pop((rank, name), None)
+        self._forget_kind(rank, name)
 
     def _stepped_past(self, state, ops: int) -> None:
         """The rank stepped past `ops` more ops: the progress bar, and a finished rank's microbatch 0 dropped."""
