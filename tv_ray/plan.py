@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import functools
 import gzip
 import io
 import json
@@ -126,10 +127,8 @@ class Lineage:
     def renamed(self, k: int, microbatches: int) -> "Lineage":
         """This entry of microbatch 0's tensor as microbatch k's (a repeat, `tv_ray.plan_repeats`): its tensor
         renamed, each fixed split factor {index 0, of `microbatches`} at index k."""
-        mb = Fixed(0, microbatches)
-        return Lineage(self.where, rename(self.tensor, k), self.logical,
-                       tuple((dim, tuple(Fixed(k, microbatches) if f == mb else f for f in factors))
-                             for dim, factors in self.slice), self.partial)
+        return Lineage(self.where, rename(self.tensor, k), self.logical, _renamed_slice(self.slice, k, microbatches),
+                       self.partial)
 
     @staticmethod
     def from_json(obj: Any, path: str) -> "Lineage":
@@ -150,6 +149,13 @@ class Lineage:
         if not isinstance(partial, list) or not all(isinstance(a, str) for a in partial):
             raise PlanError(f"{path}.partial: expected a list of mesh axis names")
         return Lineage(tuple(where.items()), obj["tensor"], obj["logical"], cuts, tuple(partial))
+
+
+@functools.lru_cache(maxsize=1 << 16)     # a frontier plan's half million entries share a few hundred slices
+def _renamed_slice(cuts: tuple, k: int, microbatches: int) -> tuple:
+    """`Lineage.renamed`'s slice: each fixed split factor {index 0, of `microbatches`} at index k."""
+    mb = Fixed(0, microbatches)
+    return tuple((dim, tuple(Fixed(k, microbatches) if f == mb else f for f in factors)) for dim, factors in cuts)
 
 
 def _cut_from_json(obj: Any, path: str) -> tuple[int, tuple[Factor, ...]]:

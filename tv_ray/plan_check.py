@@ -30,6 +30,7 @@ class _Sizes:
     def __init__(self, dims: dict[str, int]):
         self.dims = dims
         self._memo: dict[Expr, int] = {}
+        self._shapes: dict[int, tuple] = {}     # id(shape) -> (shape, its sizes): microbatch copies share a shape
 
     def __call__(self, expr: Expr, path: str) -> int:
         value = self._memo.get(expr)
@@ -42,7 +43,13 @@ class _Sizes:
         return value
 
     def shape(self, shape: Iterable[Expr], path: str) -> tuple[int, ...]:
-        return tuple(self(d, f"{path}[{i}]") for i, d in enumerate(shape))
+        known = self._shapes.get(id(shape))
+        if known is not None and known[0] is shape:
+            return known[1]
+        sizes = tuple(self(d, f"{path}[{i}]") for i, d in enumerate(shape))
+        if type(shape) is tuple:
+            self._shapes[id(shape)] = shape, sizes       # the shape held, so its id is not reused
+        return sizes
 
 
 def check_plan(plan: Plan, dims: dict[str, int] | None = None) -> None:
@@ -139,6 +146,7 @@ class _LineageCheck:
         self.logical_inputs = {spec.name: spec for spec in plan.logical.inputs}
         self.logical_outputs = dict(plan.logical.outputs)
         self._programs_of_where: dict[tuple, list[int]] = {}
+        self._local: dict[tuple, tuple[int, ...]] = {}      # (where, logical shape, slice, partial) -> `split`
 
     def run(self) -> None:
         _check_peers(self.plan)
@@ -161,6 +169,22 @@ class _LineageCheck:
         return self._programs_of_where[entry.where]
 
     def entry(self, path: str, entry: Lineage, logical_shapes: dict[str, tuple[int, ...]]) -> None:
+        check = self.entry_in_program if path.startswith("lineage") else self.interior_in_program
+        if entry.logical in logical_shapes:
+            # what is checked before the programs depends on these alone: a frontier plan's half million
+            # intermediate entries have a few thousand of them
+            key = (entry.where, logical_shapes[entry.logical], entry.slice, entry.partial)
+            local = self._local.get(key)
+            if local is None:
+                local = self._local[key] = self.split(path, entry, logical_shapes)
+        else:
+            local = self.split(path, entry, logical_shapes)     # raises, naming it
+        for pid in self.programs_selected(entry):
+            check(path, entry, pid, local)
+
+    def split(self, path: str, entry: Lineage, logical_shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
+        """The shape of each rank's slice, once the entry's coordinates, split factors and partial axes are
+        checked against the mesh and its logical tensor's shape."""
         plan, mesh = self.plan, self.plan.axis_sizes
         axes_text = ", ".join(plan.axes)
         for axis, coord in entry.where:
@@ -200,9 +224,7 @@ class _LineageCheck:
         for axis in set(used):
             if used.count(axis) > 1:
                 raise _error(path, f"axis {axis!r} is used twice in the slice and partial axes")
-        check = self.entry_in_program if path.startswith("lineage") else self.interior_in_program
-        for pid in self.programs_selected(entry):
-            check(path, entry, pid, tuple(shape))
+        return tuple(shape)
 
     def interior_in_program(self, path: str, entry: Lineage, pid: int, local: tuple[int, ...]) -> None:
         """Intermediate lineage names a float op of the program, shaped like its slice."""

@@ -44,16 +44,22 @@ MIN_RUN = 2          # shorter runs are written out: a repeat costs about what o
 
 def rename(name: str, k: int) -> str:
     """`name` of microbatch 0 as microbatch k's: every tag `@0` as `@k`."""
+    at = name.find("@0")
+    if at < 0:                          # a weight, an input
+        return name
+    end = at + 2
+    if (end == len(name) or not name[end].isdigit()) and "@0" not in name[end:]:    # one tag: most names
+        return f"{name[:at]}@{k}{name[end:]}"
     return _TAG.sub(f"@{k}", name)
 
 
 def renamed_node(node: Node, k: int) -> Node:
     """Op `node` of microbatch 0 as microbatch k's: its name and arguments renamed, a `meta.mb` of 0 as k."""
     meta = node.meta
-    if ("mb", 0) in meta:
-        meta = tuple((key, k) if key == "mb" and value == 0 else (key, value) for key, value in meta)
-    return Node(rename(node.name, k), node.op, tuple(rename(a, k) for a in node.args), node.attrs, node.shape,
-                node.dtype, meta)
+    if ("mb", 0) in meta:               # meta keys are unique: one item to replace
+        at = meta.index(("mb", 0))
+        meta = (*meta[:at], ("mb", k), *meta[at + 1:])
+    return node.renamed(rename(node.name, k), tuple(rename(a, k) for a in node.args), meta)
 
 
 # -- reading ----------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from tv_ray.partition.compose import composition_problems
 from tv_ray.partition.derive import claims_for
 from tv_ray.partition.generate import partition
 from tv_ray.partition import microbatches
-from tv_ray.partition.microbatches import CopyIndex, GroupCut, Renamed, counterparts, runs
+from tv_ray.partition.microbatches import CopyIndex, Renamed, counterparts, runs
 from tv_ray.partition.symmetry import find_mirrors, microbatch_moves
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
@@ -34,9 +34,9 @@ def _segments_taken(monkeypatch) -> list[tuple[int, int]]:
     """The ops and partial cuts of each run segment taken at once (`Renamed._take_segment`), from here on."""
     taken, take = [], Renamed._take_segment
 
-    def spy(self, state, segment, groups, cuts, live):
-        taken.append((len(segment.nodes), sum(isinstance(at, GroupCut) for _, at, *_ in cuts)))
-        return take(self, state, segment, groups, cuts, live)
+    def spy(self, state, segment, checked):
+        taken.append((len(segment.nodes), len(checked.group_cuts)))
+        return take(self, state, segment, checked)
     monkeypatch.setattr(Renamed, "_take_segment", spy)
     return taken
 

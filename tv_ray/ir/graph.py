@@ -276,7 +276,18 @@ class Node:
         return dict(self.attrs)
 
     def get_meta(self, key: str, default: Any = None) -> Any:
-        return dict(self.meta).get(key, default)
+        for name, value in self.meta:       # a few items: no dict built
+            if name == key:
+                return value
+        return default
+
+    def renamed(self, name: str, args: tuple[str, ...], meta: tuple[tuple[str, Any], ...]) -> "Node":
+        """This op as `name`, reading `args`, with `meta` (a plan's microbatch copies and pipeline stage programs:
+        hundreds of thousands, so not through the frozen dataclass's `__init__` — its fields set at once)."""
+        made = object.__new__(Node)
+        made.__dict__.update(name=name, op=self.op, args=args, attrs=self.attrs, shape=self.shape, dtype=self.dtype,
+                             meta=meta)
+        return made
 
     def with_meta(self, **extra: Any) -> "Node":
         merged = dict(self.meta)

@@ -15,44 +15,40 @@ from tv_ray.ir.graph import Graph
 from tv_ray.ir.ops import Op
 from tv_ray.parallel.layout import Layout
 from tv_ray.parallel.lower import MB, Lowering
+from tv_ray.plan import Fixed, Lineage
 
 
-def _entry(tensor: str, logical: str, layout: Layout, where: Mapping[str, int], mb_index: int | None,
-           microbatches: int) -> dict | str:
-    """The entry, or why the layout has none."""
-    entry: dict = {"where": dict(where), "tensor": tensor, "logical": logical}
+def _region(layout: Layout, mb_index: int | None, microbatches: int) -> tuple[tuple, tuple] | str:
+    """The (slice, partial) a tensor of `layout` holds (its microbatch split at `mb_index`), as in a `Lineage`, or
+    why the layout has none."""
     slices = []
     for d, dim in enumerate(layout.dims):
         cut = [f for f in dim if f.axes]
         if not cut:
             continue
         if dim[0].axes != cut[0].axes or len(cut) > 1:
-            return f"{tensor} has a strided layout {layout}; lineage needs contiguous slices"
-        split = [a if a != MB else {"index": mb_index, "of": microbatches} for a in dim[0].axes]
-        slices.append({"dim": d, "split": split})
-    if slices:
-        entry["slice"] = slices
+            return f"has a strided layout {layout}; lineage needs contiguous slices"
+        slices.append((d, tuple(a if a != MB else Fixed(mb_index, microbatches) for a in dim[0].axes)))
     if any(kind != "sum" for _, kind in layout.partial):
-        return f"{tensor} is a partial max; reduce it first"
+        return "is a partial max; reduce it first"
     if any(a == MB for a, _ in layout.partial):
-        return f"{tensor} is one microbatch's share of a sum"
-    partial = [a for a, _ in layout.partial]
-    if partial:
-        entry["partial"] = partial
-    return entry
+        return "is one microbatch's share of a sum"
+    return tuple(slices), tuple(a for a, _ in layout.partial)
 
 
 def lineage_entry(tensor: str, logical: str, layout: Layout, where: Mapping[str, int], mb_index: int | None,
-                  microbatches: int) -> dict:
-    entry = _entry(tensor, logical, layout, where, mb_index, microbatches)
-    if isinstance(entry, str):
-        raise ParallelConfigError(f"boundary tensor {entry}")
-    return entry
+                  microbatches: int) -> Lineage:
+    region = _region(layout, mb_index, microbatches)
+    if isinstance(region, str):
+        raise ParallelConfigError(f"boundary tensor {tensor} {region}")
+    return Lineage(tuple(where.items()), tensor, logical, *region)
 
 
-def interior_entries(lowering: Lowering, logical: Graph, program: Graph, where: Mapping[str, int]) -> list[dict]:
+def interior_entries(lowering: Lowering, logical: Graph, program: Graph, where: Mapping[str, int]) -> list[Lineage]:
     """Intermediate lineage for the ops of one stage program (a received copy holds what was sent)."""
     entries = []
+    pinned = tuple(where.items())
+    regions: dict[tuple, tuple | str] = {}      # (layout, microbatch) -> `_region`: a frontier plan has 10^5 ops
     for node in program.nodes:
         source = node.name.split("<")[0] if node.op == Op.RECV else node.name
         held = lowering.holds.get(source)
@@ -61,7 +57,9 @@ def interior_entries(lowering: Lowering, logical: Graph, program: Graph, where: 
         name, layout, mb_index = held
         if name not in logical or logical.dtype_of(name) != "float":
             continue
-        entry = _entry(node.name, name, layout, where, mb_index, lowering.microbatches)
-        if isinstance(entry, dict):
-            entries.append(entry)
+        region = regions.get((layout, mb_index))
+        if region is None:
+            region = regions[layout, mb_index] = _region(layout, mb_index, lowering.microbatches)
+        if not isinstance(region, str):
+            entries.append(Lineage(pinned, node.name, name, *region))
     return entries

@@ -22,12 +22,13 @@ from tv_ray.ir.ops import Op
 from tv_ray.parallel.lineage import interior_entries, lineage_entry
 from tv_ray.parallel.lower import Lowering
 from tv_ray.parallel.spec import ParallelSpec
+from tv_ray.plan import Lineage
 
 LAYER = re.compile(r"^layers\.(\d+)\.")
 
 
 def _lineage(lowering: Lowering, graph: Graph, where: Mapping[str, int], inputs: set[str],
-             outputs: set[str]) -> list[dict]:
+             outputs: set[str]) -> list[Lineage]:
     entries = []
     micro = lowering.microbatches
     for spec in graph.inputs:
@@ -193,8 +194,8 @@ class Stager:
 
         for name in self._order(s, members, phase, producers):
             node = producers[name]
-            nodes.append(Node(node.name, node.op, tuple(local(a) for a in node.args), node.attrs, node.shape,
-                              node.dtype, node.meta))
+            args = tuple(local(a) for a in node.args)
+            nodes.append(node if args == node.args else node.renamed(node.name, args, node.meta))
             for dst in sends.get(name, []):
                 nodes.append(Node.make(f"{name}>{dst}", Op.SEND, [name], {"peer": {"pp": dst - s},
                                                                           "tag": tags[(name, dst)]},

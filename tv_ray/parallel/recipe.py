@@ -20,7 +20,7 @@ from tv_ray.parallel.pipeline import split_stages
 from tv_ray.parallel.rules import Env
 from tv_ray.parallel.spec import ParallelSpec
 from tv_ray.parallel.vocab import vocab_parallel_forms
-from tv_ray.plan import FORMAT, Lineage, Plan, RankMap, gc_paused
+from tv_ray.plan import FORMAT, Plan, RankMap, gc_paused
 from tv_ray.plan_check import check_plan
 
 # Megatron tensor parallelism: which dim of a parameter tp cuts (torch Linear weights are [out, in]).
@@ -163,7 +163,6 @@ def _build(graph: Graph, spec: ParallelSpec, dims: Mapping[str, int], model: str
     plan = Plan(format=FORMAT, model=model, dims=dict(dims), mesh=tuple(mesh.items()), microbatches=spec.mb,
                 schedule=schedule, logical=logical, programs=programs,
                 ranks=RankMap("stage{pp}" if spec.pp > 1 else "main"),
-                lineage=tuple(Lineage.from_json(entry, f"lineage[{i}]") for i, entry in enumerate(lineage)),
-                interior=tuple(Lineage.from_json(entry, f"interior[{i}]") for i, entry in enumerate(interior)))
+                lineage=tuple(lineage), interior=tuple(interior))
     check_plan(plan)
     return plan

@@ -146,20 +146,24 @@ def interior_claims(plan: Plan, logical_shapes: dict[str, tuple[int, ...]],
                     ranks: np.ndarray | None = None) -> dict[tuple[int, str], Claim]:
     """The claims the plan's intermediate lineage states, keyed by (rank, program tensor) (on `ranks`: all)."""
     out: dict[tuple[int, str], Claim] = {}
-    # a frontier plan's entries repeat a few splits (every layer's and microbatch's): each split's regions once
-    regions: dict[tuple, dict[int, tuple]] = {}
-    selected: dict[tuple, list[int]] = {}
+    # a frontier plan's entries repeat a few splits (every layer's and microbatch's): each split's regions once,
+    # as the ranks' region numbers; an entry makes one claim per region (shared by the ranks holding it: the
+    # tensor-parallel ranks of a replicated activation), not one per rank
+    regions: dict[tuple, tuple[list[tuple], list[int]]] = {}
     for entry in plan.interior:
         shape = logical_shapes[entry.logical]
-        at = regions.setdefault((entry.slice, entry.partial, shape), {})
-        where = selected.get(entry.where)
-        if where is None:
-            where = selected[entry.where] = [int(r) for r in np.flatnonzero(_on(plan.selects(entry), ranks))]
-        for rank in where:
-            found = at.get(rank)
-            if found is None:
-                found = at[rank] = region(plan, entry, rank, shape)
-            out[rank, entry.tensor] = Claim(entry.logical, *found, given=True)
+        split = (entry.where, entry.slice, entry.partial, shape)
+        found = regions.get(split)
+        if found is None:
+            where = [int(r) for r in np.flatnonzero(_on(plan.selects(entry), ranks))]
+            places: dict[tuple, int] = {}
+            numbers = [places.setdefault(region(plan, entry, rank, shape), len(places)) for rank in where]
+            found = regions[split] = list(zip(where, numbers)), list(places)
+        where, places = found
+        made = [Claim(entry.logical, *place, given=True) for place in places]
+        tensor = entry.tensor
+        for rank, number in where:
+            out[rank, tensor] = made[number]
     return out
 
 

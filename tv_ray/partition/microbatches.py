@@ -61,7 +61,6 @@ from tv_ray.ir.ops import COMMUNICATION
 from tv_ray.partition.ids import NOTHING, StageId
 from tv_ray.partition.lazy import Continued, Deferred
 
-SIGNATURE = ("op", "attrs", "shape", "dtype")
 MIN_RUN = 4     # the fewest ops `Renamed._renamed_run` takes at once; a shorter stretch is taken op by op
 
 
@@ -186,8 +185,8 @@ def counterparts(program: Graph) -> dict[str, str]:
         if k == 0 or len(nodes) != len(first):
             continue
         for node, base in zip(nodes, first):
-            if len(node.args) == len(base.args) and \
-                    all(getattr(node, f) == getattr(base, f) for f in SIGNATURE):
+            if len(node.args) == len(base.args) and node.op is base.op and node.attrs == base.attrs and \
+                    node.shape == base.shape and node.dtype == base.dtype:
                 pairs[node.name] = base.name
     return pairs
 
@@ -199,6 +198,20 @@ class GroupCut(NamedTuple):
     members: tuple[int, ...]
     value: object
     first: StageId
+
+
+class Wired(NamedTuple):
+    """What `Renamed._renamed_run` reads of a run segment that is the same for every k (`Renamed._wired`)."""
+
+    claims: tuple           # per op: its counterpart's claim where it is a cut (else None)
+    groups: tuple           # per op: the group of its cut (else None)
+    steps: tuple            # the cuts in order: (ops, their counterparts' stages) of plain ones between partial
+    #                         ones, and (op, `GroupCut`, the segment's cuts and entries it reads) of each partial one
+    group_cuts: tuple       # (op, `GroupCut`) of each partial cut
+    entry_reads: tuple      # (op, the segment's cuts and entries it reads, its counterpart's stage) of each cut whose
+    #                         reads include what entries read
+    combos: tuple           # the distinct (cuts, entries) read by the values that outlive the segment
+    live: tuple             # (op, its combo) of each value that outlives the segment
 
 
 class Run:
@@ -362,25 +375,23 @@ class Renamed:
                 return False
         if not all(any(moved[e] for e in alone) for alone in segment.alone):
             return False
-        mine, groups, cuts, entry_reads, live = checked
         claims, move, paired = self.claims, self.moves.blocks.move, self.moves.pairs.get(k, {})
-        for node, claim0 in zip(segment.nodes, mine):
+        for node, claim0 in zip(segment.nodes, checked.claims):
             if node.dtype == "float":
                 claim = claims.get((rank, node.name))
                 if (claim is None) != (claim0 is None) or claim is not None and move(claim0, k) != claim:
                     return False
-        for i, at, *_ in cuts:        # a partial cut's free parts pair with its counterpart's (`_moved_part`)
-            if isinstance(at, GroupCut):
-                cid = StageId.group(at.members, segment.nodes[i].name)
-                if paired.get(at.first, cid) != cid or paired.get(cid, at.first) != at.first:
-                    return False
+        for i, at in checked.group_cuts:     # a partial cut's free parts pair with its counterpart's (`_moved_part`)
+            cid = StageId.group(at.members, segment.nodes[i].name)
+            if paired.get(at.first, cid) != cid or paired.get(cid, at.first) != at.first:
+                return False
         shifts = self.shifts
-        for i, within, entries, first in entry_reads:
+        for i, within, entries, first in checked.entry_reads:
             renamed = [shifts.rename_id(r, k) for r in first.reads]
-            reads = self._segment_reads(rank, segment, groups, within, entries)
+            reads = self._segment_reads(rank, segment, checked.groups, within, entries)
             if len(renamed) != len(reads) or set(renamed) != reads:
                 return False
-        self._take_segment(state, segment, groups, cuts, live)
+        self._take_segment(state, segment, checked)
         return True
 
     def _segment_reads(self, rank: int, segment: Run, groups, within, entries) -> frozenset:
@@ -389,36 +400,36 @@ class Renamed:
         return frozenset(StageId.group(groups[j], segment.nodes[j].name) for j in within).union(
             *(self.sources.get((rank, segment.entries[e][0]), NOTHING) for e in entries))
 
-    def _take_segment(self, state, segment: Run, groups, cuts, live) -> None:
+    def _take_segment(self, state, segment: Run, checked: Wired) -> None:
         """What `_renamed` (and, at a partial cut, `_cut`) leaves after each op of the segment, at once: its cuts in
         order, then what outlives it."""
-        rank, k, env, start = state.rank, segment.k, state.env, segment.start
-        reads = [(i, self._segment_reads(rank, segment, groups, within, entries)) for i, within, entries in live]
+        rank, k, env, start, groups = state.rank, segment.k, state.env, segment.start, checked.groups
+        reads = [self._segment_reads(rank, segment, groups, *combo) for combo in checked.combos]
         kept = self._kept[rank]
-        for i, at, *read in cuts:
-            if isinstance(at, GroupCut):
-                node = segment.nodes[i]
-                state.pc = start + i
-                out = self._cut(state, node, Moved(at.value, k), self.claims[rank, node.name],
-                                reads=self._segment_reads(rank, segment, groups, *read))[0]
-                if not isinstance(out, Moved) or out.base is not kept[segment.bases[i]] or out.k != k:
-                    raise TvRayError(f"{self.plan.describe(rank)} {node.name}: a partial cut in a run segment "
-                                     f"continues from something other than its counterpart's part renamed")
+        for step in checked.steps:
+            if len(step) == 2:          # plain cuts, each its counterpart's stage kept as a microbatch copy
+                positions, ats = step
+                self._keep_copies(rank, [start + i for i in positions], ats, k)
                 continue
-            self.moved += 1
-            self._keep_copy(at, k)
+            i, at, within, entries = step
+            node = segment.nodes[i]
             state.pc = start + i
-            self._copy_mirrors(state)
-        for i, read in reads:
-            name = segment.nodes[i].name
-            env[name] = Moved(kept[segment.bases[i]], k)
-            self.sources[rank, name] = read
+            out = self._cut(state, node, Moved(at.value, k), self.claims[rank, node.name],
+                            reads=self._segment_reads(rank, segment, groups, within, entries))[0]
+            if not isinstance(out, Moved) or out.base is not kept[segment.bases[i]] or out.k != k:
+                raise TvRayError(f"{self.plan.describe(rank)} {node.name}: a partial cut in a run segment "
+                                 f"continues from something other than its counterpart's part renamed")
+        nodes, bases, sources = segment.nodes, segment.bases, self.sources
+        for i, combo in checked.live:
+            name = nodes[i].name
+            env[name] = Moved(kept[bases[i]], k)
+            sources[rank, name] = reads[combo]
         for name in segment.frees:
             del env[name]
             self._dropped(rank, name)
         for name in segment.gone:           # its own values read last in it: a partial cut's sources, from `_cut`
             self._dropped(rank, name)
-        self.renamed += len(segment.nodes) - sum(isinstance(at, GroupCut) for _, at, *_ in cuts)
+        self.renamed += len(segment.nodes) - len(checked.group_cuts)
         state.pc = start + len(segment.nodes)
         self._stepped_past(state, len(segment.nodes))
 
@@ -431,7 +442,7 @@ class Renamed:
                                                   self.frees[state.name], at), at
         return found
 
-    def _segments(self, state, run: Run) -> list[tuple[Run, tuple]]:
+    def _segments(self, state, run: Run) -> list[tuple[Run, Wired]]:
         """The run's segments on this rank: its longest stretches of ops `_renamed` takes as renamed whatever k is
         (`_taken`), of at least `MIN_RUN` ops, each a `Run` with what `_renamed_run` reads of it that is the same
         for every k (`_wired`) — found once per rank and counterpart stretch."""
@@ -501,14 +512,12 @@ class Renamed:
             return None
         return claim, GroupCut(members, value, part[0])
 
-    def _wired(self, rank: int, segment: Run, taken: list) -> tuple | None:
-        """What `_renamed_run` reads of a segment (its ops `taken`), or None where a cut reading only the segment's
-        own cuts does not read its counterpart's reads renamed (not taken at once): each float op's counterpart's
-        claim where it is a cut; each cut's group; the cuts in order, as (op, its counterpart's stage) or (op,
-        `GroupCut`, the segment's cuts and entries it reads); the cuts whose reads include what the entries read,
-        as (op, the segment's cuts and entries it reads, its counterpart's stage); (op, the segment's cuts and
-        entries read) of each value that outlives the segment."""
-        mine, groups, cuts, entry_reads, reads_of = [], [], [], [], []
+    def _wired(self, rank: int, segment: Run, taken: list) -> Wired | None:
+        """What `_renamed_run` reads of a segment (its ops `taken`, `Wired`), or None where a cut reading only the
+        segment's own cuts does not read its counterpart's reads renamed (not taken at once)."""
+        mine, groups, steps, group_cuts, entry_reads, reads_of = [], [], [], [], [], []
+        positions: list[int] = []       # the plain cuts since the last partial one: their ops and stages
+        ats: list[int] = []
         for i, (wiring, (claim, at)) in enumerate(zip(segment.wiring, taken)):
             within = frozenset().union(*(reads_of[j][0] for j in wiring if j >= 0))
             entries = frozenset().union(*(reads_of[j][1] for j in wiring if j >= 0), (-1 - j for j in wiring if j < 0))
@@ -519,7 +528,11 @@ class Renamed:
                 continue
             reads_of.append((frozenset({i}), frozenset()))
             if isinstance(at, GroupCut):
-                cuts.append((i, at, within, entries))
+                if positions:
+                    steps.append((tuple(positions), tuple(ats)))
+                    positions, ats = [], []
+                steps.append((i, at, within, entries))
+                group_cuts.append((i, at))
                 continue
             first = self.obligations[at]
             if entries:
@@ -527,8 +540,14 @@ class Renamed:
             elif len(first.reads) != len(within) or \
                     set(first.reads) != {StageId.group(groups[j], segment.bases[j]) for j in within}:
                 return None
-            cuts.append((i, at))
-        return mine, groups, cuts, entry_reads, [(i, *reads_of[i]) for i in segment.live]
+            positions.append(i)
+            ats.append(at)
+        if positions:
+            steps.append((tuple(positions), tuple(ats)))
+        combos: dict[tuple, int] = {}
+        live = tuple((i, combos.setdefault(reads_of[i], len(combos))) for i in segment.live)
+        return Wired(tuple(mine), tuple(groups), tuple(steps), tuple(group_cuts), tuple(entry_reads), tuple(combos),
+                     live)
 
     def _renamed_cut(self, state, node, base: str, claim, k: int) -> bool:
         """A cut whose claim is the counterpart's moved to block k: the counterpart's stage, renamed."""
@@ -566,6 +585,15 @@ class Renamed:
         self.shifted[0].append(at)
         self.shifted[1].append(k)
         self._latest = (at, k)
+
+    def _keep_copies(self, rank: int, positions: list[int], ats: tuple[int, ...], k: int) -> None:
+        """`_keep_copy` and `_copy_mirrors` of the cuts of a run segment at `positions`, recorded stages `ats` each
+        moved to microbatch k, at once."""
+        self.moved += len(ats)
+        self.shifted[0].extend(ats)
+        self.shifted[1].extend([k] * len(ats))
+        self._latest = (ats[-1], k)
+        self._fan_copies(rank, positions, ats, k)
 
     def _expands_to(self, first, k: int, cid, members, state, node, claim, reads) -> bool:
         """Is `Shifts.shift(first, k)` (its position aside) exactly the stage `_obligation` records here? Field by

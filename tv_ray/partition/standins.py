@@ -224,14 +224,21 @@ class StandIns:
         """A representative's cut (whole or sliced, or completing a group within dp 0), its stage just recorded or
         kept as a microbatch copy (`_latest`): each of its mirrors' copy of that stage, as one row of the
         instantiation map (a fan: `Partition.copy_fan`)."""
-        ranks = self.mirrors_of.get(state.rank)
+        if state.rank in self.mirrors_of:
+            self._fan_copies(state.rank, (state.pc,), (self._latest[0],), self._latest[1])
+
+    def _fan_copies(self, rank: int, positions, ats, k: int) -> None:
+        """`_copy_mirrors` of the cuts at `positions` of a rank, their stages recorded stages `ats` (as microbatch k's),
+        at once."""
+        ranks = self.mirrors_of.get(rank)
         if ranks:
-            self.copied[0].append(state.rank)
-            self.copied[1].append(state.pc)
-            self.copied_of[0].append(self._latest[0])
-            self.copied_of[1].append(self._latest[1])
-            self.fanned.append(1)
-            self.copied_stages += len(ranks)
+            n = len(positions)
+            self.copied[0].extend([rank] * n)
+            self.copied[1].extend(positions)
+            self.copied_of[0].extend(ats)
+            self.copied_of[1].extend([k] * n)
+            self.fanned.extend([1] * n)
+            self.copied_stages += n * len(ranks)
 
     def _part_arrived(self, cid: StageId, members, rank: int, kind) -> None:
         if kind is not None and kind is not SAME and not any(m in self.virtual for m in members):
