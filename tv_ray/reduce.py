@@ -41,6 +41,7 @@ from tv_ray.ir.ops import Op, registrar
 from tv_ray.plan import Fixed, Plan
 
 KINDS = ("reduced", "split", "integer", "positive", "order")
+RESTATED = frozenset({"reduced", "split", "order"})     # kinds stated every time (not once per expression)
 MAX_SOURCES = 8            # distinct reasons kept per condition; `count` says how many ops gave it in all
 Z3_TIMEOUT_MS = 30_000
 # a value of a shape expression is never near this; ATen writes "slice to the end" as INT64_MAX
@@ -126,6 +127,7 @@ class _Collector:
         self.seen: set[tuple[str, Expr]] = set()    # (kind, expr) stated once, as most shapes repeat
         self._at_full: dict[Expr, Fraction] = {}      # Expr is interned: a plan repeats a few hundred
         self.view_blocks: dict[tuple, list[list[Expr]]] = {}
+        self.restated: list | None = None     # the conditions the op being collected states again if repeated
 
     def at_full(self, expr: Expr) -> Fraction:
         value = self._at_full.get(expr)
@@ -139,6 +141,8 @@ class _Collector:
         if cond is None:
             cond = self.conditions[key] = SideCondition(kind, atom, text)
         cond.count += 1
+        if self.restated is not None and kind in RESTATED:
+            self.restated.append(cond)
         path, node, why = source
         # one source per distinct reason: a certificate reader wants every kind of op that asks
         if len(cond.sources) < MAX_SOURCES and all(s["why"] != why for s in cond.sources):
@@ -374,7 +378,11 @@ def _squeeze(c, node, shapes, axis_sizes, path):
 
 
 def _collect_graph(c: _Collector, graph: Graph, path: str, axis_sizes: Mapping[str, int]) -> None:
+    """The side conditions of `graph`'s inputs and ops. An op the same as one before — kind, attributes, its own
+    and its arguments' shape objects: a microbatch copy — states the very conditions again (its rule reads
+    nothing else, and a reason names the op kind, never the op), so it only counts them again."""
     shapes: dict[str, tuple] = {}
+    stated: dict[tuple, list] = {}      # (op, attrs, shape and argument shapes by identity) -> conditions counted
     for i, spec in enumerate(graph.inputs):
         shapes[spec.name] = spec.shape
         for d in spec.shape:
@@ -382,6 +390,14 @@ def _collect_graph(c: _Collector, graph: Graph, path: str, axis_sizes: Mapping[s
         if spec.high is not None:
             c.positive(spec.high, (f"{path}.inputs[{i}]", None, f"high bound of input {spec.name}"))
     for i, node in enumerate(graph.nodes):   # iterative: a program may hold 10^5 ops
+        same = (node.op, id(node.attrs), id(node.shape), *(id(shapes[a]) for a in node.args))
+        counted = stated.get(same)
+        if counted is not None:
+            for cond in counted:
+                cond.count += 1
+            shapes[node.name] = node.shape
+            continue
+        c.restated = []
         where = f"{path}.ops[{i}]"
         for d in node.shape:
             if not d.is_const and ("positive", d) not in c.seen:
@@ -396,6 +412,7 @@ def _collect_graph(c: _Collector, graph: Graph, path: str, axis_sizes: Mapping[s
         if rule is not None:
             rule(c, node, [shapes[a] for a in node.args], axis_sizes, where)
         shapes[node.name] = node.shape
+        stated[same], c.restated = c.restated, None
 
 
 def _collect_lineage(c: _Collector, plan: Plan) -> None:

@@ -14,7 +14,7 @@ from tv_ray.engine.executor import LocalExecutor
 from tv_ray.engine.solve import Budget
 from tv_ray.ir import Op
 from tv_ray.parallel.spec import ParallelSpec
-from tv_ray.partition.claims import _Matcher
+from tv_ray.partition.claims import Claim, _Matcher
 from tv_ray.partition.compose import composition_problems
 from tv_ray.partition.derive import claims_for
 from tv_ray.partition.generate import partition
@@ -242,3 +242,32 @@ def test_a_continuations_footprint_is_read_off_its_claim_as_its_terms_give_it(cl
     monkeypatch.setattr(SymbolicRun, "_footprint", both)
     partition(plan, dims, claims, shards=False)
     assert len(seen) > 20 and all(mine == theirs for mine, theirs in seen)
+
+
+def test_moves_to_is_move_compared_field_by_field(claimed):
+    """`Blocks.moves_to(claim, k, other)` — what a run segment asks of each cut — is `move(claim, k) == other`:
+    true for the moved claim, false for one that differs in any field (a claim field it does not compare fails
+    the first assertion, so adding one to `Claim` means adding it there)."""
+    plan, dims, claims = claimed("tp=2,pp=2,mb=4")
+    moves = microbatch_moves(plan, dims, None, True)
+    blocks = moves.blocks
+    assert [f.name for f in dataclasses.fields(Claim)] == ["logical", "offsets", "shape", "partial", "boundary", "given"]
+    tagged = [c for c in claims.values() if blocks.tags.get(c.logical) is not None and moves.first(c)][:50]
+    untagged = [c for c in claims.values() if blocks.tags.get(c.logical) is None][:20]
+    assert len(tagged) == 50 and untagged
+    for claim in tagged + untagged:
+        for k in (1, 3):
+            moved = blocks.move(claim, k)
+            assert blocks.moves_to(claim, k, moved)
+            tag = blocks.tags.get(claim.logical)
+            d = tag.dim if tag is not None else 0
+            others = [dataclasses.replace(moved, logical=moved.logical + "x"),
+                      dataclasses.replace(moved, shape=tuple(n + 1 for n in moved.shape)),
+                      dataclasses.replace(moved, partial=() if moved.partial else ("tp",)),
+                      dataclasses.replace(moved, boundary=not moved.boundary),
+                      dataclasses.replace(moved, given=not moved.given)]
+            if moved.offsets:
+                others.append(moved.shifted(d, 1))
+                others += [moved.shifted(e, 1) for e in range(len(moved.offsets)) if e != d]
+            for other in others:
+                assert not blocks.moves_to(claim, k, other) and blocks.move(claim, k) != other

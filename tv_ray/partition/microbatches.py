@@ -375,11 +375,11 @@ class Renamed:
                 return False
         if not all(any(moved[e] for e in alone) for alone in segment.alone):
             return False
-        claims, move, paired = self.claims, self.moves.blocks.move, self.moves.pairs.get(k, {})
+        claims, moves_to, paired = self.claims, self.moves.blocks.moves_to, self.moves.pairs.get(k, {})
         for node, claim0 in zip(segment.nodes, checked.claims):
             if node.dtype == "float":
                 claim = claims.get((rank, node.name))
-                if (claim is None) != (claim0 is None) or claim is not None and move(claim0, k) != claim:
+                if (claim is None) != (claim0 is None) or claim is not None and not moves_to(claim0, k, claim):
                     return False
         for i, at in checked.group_cuts:     # a partial cut's free parts pair with its counterpart's (`_moved_part`)
             cid = StageId.group(at.members, segment.nodes[i].name)
@@ -602,7 +602,7 @@ class Renamed:
         shifts = self.shifts
         if first.ranks != members or first.program != state.name or first.notes or \
                 self._info_of(node) != (first.op, first.module, first.phase, first.realises, k) or \
-                shifts.rename_id(first.id, k) != cid or shifts.blocks.move(first.claim, k) != claim:
+                shifts.rename_id(first.id, k) != cid or not shifts.blocks.moves_to(first.claim, k, claim):
             return False
         renamed = [shifts.rename_id(r, k) for r in first.reads]
         return len(renamed) == len(reads) and set(renamed) == reads

@@ -267,6 +267,17 @@ class Blocks:
         tag = self.tags.get(claim.logical)
         return claim if tag is None or k == 0 else claim.shifted(tag.dim, k * width * self.size * tag.q)
 
+    def moves_to(self, claim, k: int, other) -> bool:
+        """Is `other` the claim `claim` moved to block k (`move(claim, k) == other`, without making that claim: a
+        renamed microbatch's every cut asks)?"""
+        tag = self.tags.get(claim.logical)
+        if tag is None or k == 0:
+            return claim == other
+        d, (o, o0) = tag.dim, (other.offsets, claim.offsets)
+        return o[d] == o0[d] + k * self.size * tag.q and o[:d] == o0[:d] and o[d + 1:] == o0[d + 1:] and \
+            other.logical == claim.logical and other.shape == claim.shape and other.partial == claim.partial and \
+            other.boundary == claim.boundary and other.given == claim.given
+
     def spanned(self, claim) -> frozenset[int]:
         """The blocks (of one microbatch) whose samples a claim's slice holds: none for a tensor without samples."""
         tag = self.tags.get(claim.logical)
