@@ -159,3 +159,18 @@ def test_collect_is_deterministic(llama_plan):
     first = [c.to_json() for c in reduce_plan(llama_plan).conditions]
     again = [c.to_json() for c in reduce_plan(llama_plan).conditions]
     assert first == again and len(collect(llama_plan)) == len(first)
+
+
+def test_a_repeated_op_counts_its_conditions_again_as_if_collected_afresh(llama_plan):
+    """An op whose kind, attributes and shapes (the very objects: a microbatch copy) were collected before has its
+    conditions counted again, not re-derived: the conditions, counts and sources are those of collecting every op
+    afresh — each op given shapes of its own, so that nothing repeats."""
+    def afresh(graph):
+        nodes = tuple(dataclasses.replace(n, shape=tuple(list(n.shape)), attrs=tuple(list(n.attrs)))
+                      for n in graph.nodes)
+        return dataclasses.replace(graph, nodes=nodes)
+    fresh = dataclasses.replace(llama_plan, programs={name: afresh(g) for name, g in llama_plan.programs.items()})
+    repeated = [c.to_json() for c in collect(llama_plan)]
+    assert repeated == [c.to_json() for c in collect(fresh)]
+    # microbatch copies share their shapes, so they were repeats; the counts say how many ops stated each
+    assert sum(c["count"] for c in repeated) > len(repeated) + 100
