@@ -29,6 +29,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -113,11 +114,11 @@ def op_costs(plan):
     how it went (`renamed`: taken as its microbatch 0 counterpart's renamed, `in segments`: so, with the ops after
     it in its run segment at once — `Renamed._renamed_run`; else stepped) — and return what
     gives the table: per kind, ops, seconds, microseconds an op and share of the timed seconds."""
-    from tv_ray.parallel.pipeline import LAYER
     from tv_ray.partition import microbatches, stages
+    in_layer = re.compile(r"^layers\.(\d+)(\.|$)")     # a layer's own ops (`layers.N`: its residual adds) too
 
     def layer(node) -> int | None:
-        found = LAYER.match(node.get_meta("module") or "")
+        found = in_layer.match(node.get_meta("module") or "")
         return int(found.group(1)) if found else None
     places = {}         # (program, op) -> its microbatch and where it lies
     for name, program in plan.programs.items():
