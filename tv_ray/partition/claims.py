@@ -71,6 +71,14 @@ class Claim:
         moved.__dict__["offsets"] = self.offsets[:dim] + (self.offsets[dim] + by,) + self.offsets[dim + 1:]
         return moved
 
+    def on(self, logical: str) -> "Claim":
+        """The same slice of the logical tensor `logical` (set at once, as `shifted`: a frontier plan's
+        intermediate lineage makes millions)."""
+        made = object.__new__(Claim)
+        made.__dict__.update(self.__dict__)
+        made.__dict__["logical"] = logical
+        return made
+
     def slices(self) -> tuple:
         """The index of the slice (0-d tensors included: the result stays an array)."""
         return tuple(slice(o, o + n) for o, n in zip(self.offsets, self.shape)) + (Ellipsis,)
@@ -147,9 +155,9 @@ def interior_claims(plan: Plan, logical_shapes: dict[str, tuple[int, ...]],
     """The claims the plan's intermediate lineage states, keyed by (rank, program tensor) (on `ranks`: all)."""
     out: dict[tuple[int, str], Claim] = {}
     # a frontier plan's entries repeat a few splits (every layer's and microbatch's): each split's regions once,
-    # as the ranks' region numbers; an entry makes one claim per region (shared by the ranks holding it: the
-    # tensor-parallel ranks of a replicated activation), not one per rank
-    regions: dict[tuple, tuple[list[tuple], list[int]]] = {}
+    # as the ranks' region numbers and a claim on each region; an entry makes one claim per region (`Claim.on`,
+    # shared by the ranks holding it: the tensor-parallel ranks of a replicated activation), not one per rank
+    regions: dict[tuple, tuple[list[tuple], list[Claim]]] = {}
     for entry in plan.interior:
         shape = logical_shapes[entry.logical]
         split = (entry.where, entry.slice, entry.partial, shape)
@@ -158,9 +166,9 @@ def interior_claims(plan: Plan, logical_shapes: dict[str, tuple[int, ...]],
             where = [int(r) for r in np.flatnonzero(_on(plan.selects(entry), ranks))]
             places: dict[tuple, int] = {}
             numbers = [places.setdefault(region(plan, entry, rank, shape), len(places)) for rank in where]
-            found = regions[split] = list(zip(where, numbers)), list(places)
-        where, places = found
-        made = [Claim(entry.logical, *place, given=True) for place in places]
+            found = regions[split] = list(zip(where, numbers)), [Claim("", *place, given=True) for place in places]
+        where, slices = found
+        made = [claim.on(entry.logical) for claim in slices]
         tensor = entry.tensor
         for rank, number in where:
             out[rank, tensor] = made[number]
