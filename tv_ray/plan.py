@@ -50,12 +50,12 @@ from functools import reduce
 from json.encoder import c_make_encoder, encode_basestring_ascii
 from operator import mul
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from tv_ray.errors import PlanError
-from tv_ray.ir import Graph
+from tv_ray.ir import Graph, Node
 from tv_ray.plan_repeats import compact, compact_nodes, expand_entries, nodes_of, rename
 
 FORMAT = "tv-ray-plan/1"
@@ -459,23 +459,26 @@ class Plan:
         time."""
         def program(graph: Graph) -> Callable[[], dict]:
             def made() -> dict:
-                obj = graph.to_json()
-                if repeats:
-                    obj["ops"] = _written(obj["ops"], compact_nodes(graph.nodes, self.microbatches))
-                return obj
+                if not repeats:
+                    return graph.to_json()
+                return graph.to_json(_written(graph.nodes, compact_nodes(graph.nodes, self.microbatches), Node.to_json))
             return made
-        optional = self._optional_json()
-        if repeats and "interior" in optional:
-            optional["interior"] = _written(optional["interior"], compact(
+        interior = None
+        if repeats and self.interior:
+            interior = _written(self.interior, compact(
                 self.interior, self.microbatches, lambda e: (e.tensor, e.where),
-                lambda e, k: e.renamed(k, self.microbatches), lambda at: at))
+                lambda e, k: e.renamed(k, self.microbatches), lambda at: at), Lineage.to_json)
+        optional = self._optional_json(interior)
         return {"format": self.format, "model": self.model, "dims": dict(self.dims), "mesh": dict(self.mesh),
                 "microbatches": self.microbatches, "schedule": self.schedule, "logical": self.logical.to_json,
                 "programs": {name: program(graph) for name, graph in self.programs.items()},
                 "ranks": self.ranks.to_json(), "lineage": [e.to_json() for e in self.lineage], **optional}
 
-    def _optional_json(self) -> dict:
-        out = {"interior": [e.to_json() for e in self.interior]} if self.interior else {}
+    def _optional_json(self, interior: list | None = None) -> dict:
+        """The optional fields' JSON (`interior`: the intermediate lineage's, if made already)."""
+        if interior is None and self.interior:
+            interior = [e.to_json() for e in self.interior]
+        out = {"interior": interior} if self.interior else {}
         return out | ({"recipe": dict(self.recipe)} if self.recipe is not None else {})
 
 
@@ -598,9 +601,10 @@ def dumps(obj: dict) -> str:
     return "".join(_pieces(obj))
 
 
-def _written(items: list, plan: list[int | dict]) -> list:
-    """The JSON `items` as `compact` plans them: an index as that item, a repeat as it is."""
-    return [items[x] if isinstance(x, int) else x for x in plan]
+def _written(items: Sequence, plan: list[int | dict], to_json: Callable[[Any], dict]) -> list:
+    """`items` as `compact` plans them: an index as that item's JSON (only those: most are repeats), a repeat as
+    it is."""
+    return [to_json(items[x]) if isinstance(x, int) else x for x in plan]
 
 
 def _pieces(obj: dict) -> Iterator[str]:

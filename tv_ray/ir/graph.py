@@ -485,9 +485,10 @@ class Graph:
         return {node.op for node in self.nodes}
 
     # -- serialisation -------------------------------------------------------
-    def to_json(self) -> dict:
+    def to_json(self, ops: list | None = None) -> dict:
+        """`ops`: what to write for the ops, if not each node's JSON (a plan's microbatch repeats)."""
         return {"inputs": [s.to_json() for s in self.inputs],
-                "ops": [n.to_json() for n in self.nodes],
+                "ops": [n.to_json() for n in self.nodes] if ops is None else ops,
                 "outputs": dict(self.outputs)}
 
     @staticmethod

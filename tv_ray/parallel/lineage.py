@@ -48,7 +48,9 @@ def interior_entries(lowering: Lowering, logical: Graph, program: Graph, where: 
     """Intermediate lineage for the ops of one stage program (a received copy holds what was sent)."""
     entries = []
     pinned = tuple(where.items())
-    regions: dict[tuple, tuple | str] = {}      # (layout, microbatch) -> `_region`: a frontier plan has 10^5 ops
+    # (layout, microbatch) -> `_region`, a frontier plan having 10^5 ops: by the layout's identity (the lowering
+    # holds each layout, and shares it between the ops it gives it), not its hash of nested tuples
+    regions: dict[tuple, tuple | str] = {}
     for node in program.nodes:
         source = node.name.split("<")[0] if node.op == Op.RECV else node.name
         held = lowering.holds.get(source)
@@ -57,9 +59,9 @@ def interior_entries(lowering: Lowering, logical: Graph, program: Graph, where: 
         name, layout, mb_index = held
         if name not in logical or logical.dtype_of(name) != "float":
             continue
-        region = regions.get((layout, mb_index))
+        region = regions.get((id(layout), mb_index))
         if region is None:
-            region = regions[layout, mb_index] = _region(layout, mb_index, lowering.microbatches)
+            region = regions[id(layout), mb_index] = _region(layout, mb_index, lowering.microbatches)
         if not isinstance(region, str):
             entries.append(Lineage(pinned, node.name, name, *region))
     return entries
