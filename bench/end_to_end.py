@@ -6,10 +6,10 @@
 A config is MODEL:PARALLEL:BATCH (AdamW, clipping at 1.0, as TrainVerify's). Each command runs in a fresh
 process of this tree's code, or of `--before DIR`'s (a checkout of another commit, put first on the path), one
 after the other; with `--before`, each config runs on that tree, then on this one — side by side in one run, so
-the ratio is not a day's machine against another's. A row per (config, tree): wall seconds and peak RSS of each
-command (the process or its largest child), the verify and check phases they report, and what the certificate
-holds — counts, and the digests of the plan and the instantiation map (the obligation table's differs by its
-solving seconds), so that two trees' certificates can be compared. Rows are appended to `--out`.
+the ratio is not a day's machine against another's. A row per (config, tree, its commit): wall seconds and peak
+RSS of each command (the process or its largest child), the verify and check phases they report, and what the
+certificate holds — counts, and the digests of the plan and the instantiation map (the obligation table's
+differs by its solving seconds), so that two trees' certificates can be compared. Rows are appended to `--out`.
 """
 from __future__ import annotations
 
@@ -40,7 +40,9 @@ def command(tree: Path, args: list[str], log: Path) -> dict:
 
 def run(tree: Path, model: str, parallel: str, batch: int, jobs: int, work: Path) -> dict:
     plan, cert = work / "plan.json.gz", work / "cert"
-    row = {"tree": str(tree), "model": model, "parallel": parallel, "batch": batch, "jobs": jobs}
+    commit = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    row = {"tree": str(tree), "commit": commit.stdout.strip() or None, "model": model, "parallel": parallel,
+           "batch": batch, "jobs": jobs}
     row["plan"] = command(tree, ["plan", "--model", model, "--parallel", parallel, "--dims", f"batch={batch}",
                                  "--optim", "adamw", "--clip", "1.0", "-o", str(plan)], work / "plan.log")
     row["verify"] = command(tree, ["verify", str(plan), "--engine", "local", "--jobs", str(jobs), "-q", "-o", str(cert)],
