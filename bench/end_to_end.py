@@ -33,9 +33,10 @@ def command(tree: Path, args: list[str], log: Path) -> dict:
     with open(log, "w") as out:
         child = subprocess.Popen([sys.executable, "-c", CLI, *args], stdout=out, stderr=subprocess.STDOUT, env=env,
                                  cwd=tree)
-        _, status, usage = os.wait4(child.pid, 0)
+        _, status, usage = os.wait4(child.pid, 0)       # reaped here, for its rusage: `child` is told so
+        child.returncode = os.waitstatus_to_exitcode(status)
     return {"seconds": round(time.perf_counter() - start, 1), "peak_rss_gib": round(usage.ru_maxrss / 2 ** 20, 2),
-            "exit": os.waitstatus_to_exitcode(status)}
+            "exit": child.returncode}
 
 
 def run(tree: Path, model: str, parallel: str, batch: int, jobs: int, work: Path) -> dict:

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import functools
 import gzip
 import io
 import json
@@ -46,7 +45,7 @@ import shutil
 import string
 import zlib
 from dataclasses import dataclass, field
-from functools import reduce
+from functools import lru_cache, reduce
 from json.encoder import c_make_encoder, encode_basestring_ascii
 from operator import mul
 from pathlib import Path
@@ -151,7 +150,7 @@ class Lineage:
         return Lineage(tuple(where.items()), obj["tensor"], obj["logical"], cuts, tuple(partial))
 
 
-@functools.lru_cache(maxsize=1 << 16)     # a frontier plan's half million entries share a few hundred slices
+@lru_cache(maxsize=1 << 16)     # a frontier plan's half million entries share a few hundred slices
 def _renamed_slice(cuts: tuple, k: int, microbatches: int) -> tuple:
     """`Lineage.renamed`'s slice: each fixed split factor {index 0, of `microbatches`} at index k."""
     mb = Fixed(0, microbatches)
