@@ -76,6 +76,7 @@ class ShardRun:
     unformed: dict[str, str]
     templated: int
     renamed: int
+    layer_renamed: int
 
     def __getstate__(self) -> dict:
         sides = [(len(lhs), len(rhs)) for lhs, rhs in self.formulas.values()]
@@ -148,7 +149,8 @@ class Renamings:
     """The renamings a generation uses: dp mirrors (`virtual`: stood in for, never stepped,
     `tv_ray.partition.standins`), microbatch moves, the blocks of samples the logical graph is built for, and
     stage templates (`tv_ray.partition.templates`); `renamed`: microbatch k's ops taken as microbatch 0's renamed
-    without evaluating them (`tv_ray.partition.microbatches`; off: each evaluated, the same stages); `shifts`: the
+    without evaluating them (`tv_ray.partition.microbatches`), and with templates layer j's as a neighbouring
+    layer's (`tv_ray.partition.layers`; off: each evaluated, the same stages); `shifts`: the
     pairing of microbatch k's ops with microbatch 0's, built once for every shard (None: each run builds it)."""
 
     mirrors: Mirrors | None = None
@@ -188,7 +190,7 @@ def _run_shards(plan, dims, claims, renamings: Renamings, shards, logical, bar) 
         run = renamings.run(plan, dims, logical, claims, bar, owned, seen)
         out.append(ShardRun(run.obligations, run.formulas, *run.resolve_copies(), run.boundary,
                             run.notes + _incomplete(run.pending), run.moved, run.accumulated, run.sent, run.assumed,
-                            run.unformed, run.templated, run.renamed))
+                            run.unformed, run.templated, run.renamed, run.layer_renamed))
         # what the run held besides (values, memos, ranks), cycles and all: the collector is paused
         run.__dict__.clear()
     return out
@@ -233,6 +235,7 @@ def merge(runs: list[ShardRun], mirrors: Mirrors | None = None, symmetry: list[s
     part.shards = len(runs)
     part.templated = sum(r.templated for r in runs)
     part.renamed = sum(r.renamed for r in runs)
+    part.layer_renamed = sum(r.layer_renamed for r in runs)
     return part
 
 
@@ -254,7 +257,8 @@ def partition(plan: Plan, dims: dict[str, int], claims: dict[tuple[int, str], Cl
     `templates`: a stage whose template was seen takes that stage's key without its terms being built.
     `virtual`: mirrored ranks are stood in for, never stepped (`tv_ray.partition.standins`; where that ends in
     `Asymmetric`, they are stepped — the same stages).
-    `renamed`: microbatch k's ops taken as microbatch 0's renamed, not evaluated (`tv_ray.partition.microbatches`).
+    `renamed`: microbatch k's ops taken as microbatch 0's renamed, not evaluated (`tv_ray.partition.microbatches`),
+    and (with `symmetry` and `templates`) layer j's as a neighbouring layer's (`tv_ray.partition.layers`).
     `complete`: `claims` hold every rank's claims (False: the mirrored ranks' are their representatives', and
     where symmetry fails during the run, `ClaimsMissing` asks for theirs)."""
     # Python's cyclic collector would walk every term and array again and again as the heap grows (llama3-8b
@@ -275,7 +279,7 @@ def _partition(plan, dims, claims, symmetry, progress, shards, generate, groups,
     logical = cache(lambda: LogicalTerms.build(plan.logical, dims, blocks))   # built here once, if needed here
     bar = tqdm(total=total, disable=not progress, unit="op", desc="generating", file=sys.stderr, dynamic_ncols=True)
     renamings = Renamings(found, moves, blocks, templates, virtual and found is not None and not found.notes,
-                          renamed, Shifts(plan, moves.blocks) if moves else None)
+                          renamed and bool(symmetry), Shifts(plan, moves.blocks) if moves else None)
     try:
         try:
             return _mirrored(plan, dims, claims, renamings, logical, notes, split, bar, generate, groups)
@@ -322,7 +326,7 @@ def _run(plan, dims, claims, renamings: Renamings, logical, notes, split, bar, g
     run.notes += _incomplete(run.pending)
     part = _assemble(run.obligations, run.boundary, run.notes, run.formulas, symmetry, copies, found, run.moved,
                      run.accumulated, run.unformed, run.shifts)
-    part.templated, part.renamed = run.templated, run.renamed
+    part.templated, part.renamed, part.layer_renamed = run.templated, run.renamed, run.layer_renamed
     return part
 
 

@@ -49,6 +49,7 @@ from tv_ray.ir import Node, Op
 from tv_ray.ir.ops import COLLECTIVES
 from tv_ray.partition.claims import Claim
 from tv_ray.partition.keys import content_digests, formula_key
+from tv_ray.partition.layers import LayerRenamed
 from tv_ray.partition.lazy import COMPUTED, Continued, Contribution, Deferred, Free, terms_of
 from tv_ray.partition.logical import LogicalTerms, atoms
 from tv_ray.partition.ids import NOTHING, Part, StageId
@@ -125,6 +126,7 @@ class Partition:
     shards: int = 0                 # pipeline shards the stages were generated in (0: one run)
     templated: int = 0              # stages keyed from their template, their terms never built
     renamed: int = 0                # ops of microbatches k > 0 taken as microbatch 0's renamed, never evaluated
+    layer_renamed: int = 0          # ops of layer j taken as a neighbouring layer's renamed (`tv_ray.partition.layers`)
     stood_in: int = 0               # mirrored ranks never stepped (`tv_ray.partition.standins`)
     _copy_index: CopyIndex | None = field(default=None, repr=False)   # the microbatch copies on their own ranks, by id
     _reps: dict = field(default_factory=dict, repr=False)          # a stage's ranks -> its representative's
@@ -285,7 +287,7 @@ def _digest(value: np.ndarray) -> tuple:
                                                 for t in flat)).hexdigest()
 
 
-class SymbolicRun(StandIns, Renamed, Scheduler):
+class SymbolicRun(StandIns, Renamed, LayerRenamed, Scheduler):
     """The scheduler on object arrays of terms, cutting at claims and recording obligations.
 
     With `mirrors`, a mirrored rank (`tv_ray.partition.symmetry`) steps
@@ -378,6 +380,8 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
         self._crossed: Counter = Counter()
         self._sends: dict[int, dict] = {}
         self._pair_microbatches(plan, renamed, shifts)   # `tv_ray.partition.microbatches`: microbatch k's ops renamed
+        # `tv_ray.partition.layers`: layer j's ops as a neighbouring layer's renamed, their stages keyed so (templates)
+        self._pair_layers(plan, logical, renamed and self.templates is not None)
         rank_inputs = self._inputs(plan)
         super().__init__(plan, dims, rank_inputs, keep=False)
         if owned is not None:
@@ -410,6 +414,7 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
                                                    else self._continuation(rank, claim))
                 self.provenance[rank, spec.name] = self._input_provenance(claim, value)
                 self._keep_input(rank, spec.name, value)
+                self._keep_layer(rank, names[ids[rank]], spec.name, value)
                 cid = StageId.input(rank, spec.name)
                 self.sources[rank, spec.name] = frozenset({cid})
                 self.boundary[cid] = claim
@@ -431,9 +436,14 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
             out = self._evaluate(state, node, args)
             if self._evaluating is not None and (rank, node.name) not in self.opaque:
                 self._evaluated.add(self._evaluating)
-        if self._movable(rank) and node.get_meta("mb") in (0, None) and (rank, node.name) not in self.opaque:
-            self._memo.setdefault(rank, {})[_memo_key(node, args)] = (args, out)
+        self._memoize(state, node, args, out)
         return out
+
+    def _memoize(self, state, node: Node, args, out) -> None:
+        """A value of microbatch 0 (or of no microbatch) on a rank reading block 0, by its op and arguments: for the
+        ops of other microbatches whose arguments are these renamed (`_moved`)."""
+        if self._movable(state.rank) and node.get_meta("mb") in (0, None) and (state.rank, node.name) not in self.opaque:
+            self._memo.setdefault(state.rank, {})[_memo_key(node, args)] = (args, out)
 
     def _deferred(self, state, node: Node, args) -> Deferred | None:
         """A claimed op whose stage is a template built before is not computed: its stage takes that template's
@@ -463,7 +473,11 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
         elif not self.templates.built.get(self.templates.descriptor(made, claim)):
             return None
         out = Deferred(node, args, self.dims, state.ctx, self._shape(node))
-        return out if out.depth <= MAX_DEFERRED else None
+        return out if self._shallow(out) else None
+
+    def _shallow(self, value: Deferred) -> bool:
+        """Is a value not computed within `MAX_DEFERRED` ops of computed ones (so building it recurses no deeper)?"""
+        return value.depth <= MAX_DEFERRED
 
     def _evaluate(self, state, node: Node, args):
         mirrored = [a for a in args if isinstance(a, Mirrored)]
@@ -894,10 +908,12 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
             self._kind_after(state, node, kind)
         self.provenance[state.rank, node.name] = made
         self._keep(state, node, value)
+        self._keep_layer(state.rank, state.name, node.name, value)
         self._passed(state, node, value)
 
     def _compute(self, state, node: Node) -> bool:
-        return self._renamed_run(state) or self._renamed(state, node) or super()._compute(state, node)
+        return self._renamed_run(state) or self._renamed(state, node) or self._layer_renamed(state, node) or \
+            super()._compute(state, node)
 
     def _passed(self, state, node: Node, value) -> None:
         """The rank steps past the op with `value`; what nothing reads again is dropped."""
@@ -921,7 +937,8 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
         if state.done:
             if self.bar is not None:
                 self.bar.update(self._stood_in_ops(state))
-            for held in (self._memo, self._conts, self._parts0, self._cuts0, self._footprints, self._kept,
+            for held in (self._memo, self._conts, self._parts0, self._cuts0, self._footprints, self._kept, self._layer_kept,
+                         self._layer_stage,
                          self._stage_at, self._segment_at):
                 held.pop(state.rank, None)
 
@@ -943,6 +960,7 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
                 self._record(cid, members, state, node, claim, [value], reads, made=made)
                 self._remember(members, node, claim, [value])
                 self._staged(rank, node)
+                self._layer_staged(rank, node.name)
             out = self._continuation(rank, claim)
             if not self._own_cuts(state, node, claim, kind, value, reads, out):
                 self._copy_mirrors(state)
@@ -965,10 +983,12 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
                                  f"({', '.join(f'rank {m}: {_kind(v)}' for m, v in zip(members, values))})")
             if copied and kinds & {"same", "renamed"}:
                 self._copy(state)
-            elif not self._moved_stage(cid, members, state, node, claim, values, reads):
+            elif not self._layer_group(cid, members, state, node, claim, values, reads) and \
+                    not self._moved_stage(cid, members, state, node, claim, values, reads):
                 self._record_group(cid, members, state, node, claim, values, reads, [parts[m][1] for m in members],
                                    made)
                 self._remember(members, node, claim, values)
+                self._layer_grouped(cid)
             if grouped:
                 self._copy_groups(state, cid, members)
         if copied and isinstance(value, Mirrored):
@@ -1124,6 +1144,7 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
             if key:                          # a renaming of a stage built before: its key, no terms
                 self.templated += 1
                 self._append(cid, members, state, node, claim, key, reads)
+                self._keyed_if_plain(key)
                 return
         rhs = self.logical.contribution_of(claim.logical, claim.slices(), width) if width else None
         values = [as_dtype(self._real(v), "float") for v in values]
@@ -1138,7 +1159,7 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
             rhs = [defined[idx] for idx in np.ndindex(claim.shape)]
         else:
             rhs = [rhs[idx] for idx in np.ndindex(claim.shape)]
-        nodes = _size(lhs + rhs)
+        nodes = collected = _size(lhs + rhs)
         if nodes > min(COLLECT_NODES, MAX_STAGE_NODES):
             # like terms collected: a sum of every part of a partial claim (a dp all-reduce, then a tp
             # sum) is the claimed tensor, since its last part is the tensor minus the others
@@ -1160,6 +1181,9 @@ class SymbolicRun(StandIns, Renamed, Scheduler):
             self.templates.built[template] = key if unfolded[0] is lhs and unfolded[1] is rhs else ""
         self.formulas.setdefault(key, unfolded)
         self._append(cid, members, state, node, claim, key, reads)
+        if unfolded[0] is lhs and unfolded[1] is rhs and collected == nodes:
+            self._plain_keys.add(key)       # its formula as built: τ of it has this key (`tv_ray.partition.layers`)
+        self._keyed_if_plain(key)
 
     def _append(self, cid, members, state, node: Node, claim: Claim, key: str, reads) -> None:
         self.obligations.append(self._obligation(cid, members, state, node, claim, key, reads))
