@@ -1,43 +1,49 @@
-"""Layer j's ops taken as layer j−1's renamed, without stepping them.
+"""Layer j's ops taken as a neighbouring layer's renamed, without stepping them.
 
 A transformer repeats one block, so layer j of a rank's program computes what
 layer j−1 computes on other tensors. Let τ be the renaming of variables that
 maps every atom of a logical tensor of layer i to the atom with the same index
 of the tensor at the same place in layer i+1 (weights, optimizer state and ops
 alike), for every i at once, and leaves every other tensor's atoms alone.
-`LayerShift.of` reads, tensor by tensor, where τ is shown to be a symmetry of
-the logical graph: a tensor T of layer i and its image τT have the same op,
-attributes, shape and dtype, τT's arguments are τ of T's (an argument outside
-the layers is the very same tensor), and T, τT and their layer arguments are
-each their own atoms throughout (no constant anywhere). τ is a bijection on
-variables (tensors of layer i go to layer i+1's, one to one; nothing else
-moves), and it keeps the logical order of the tensors it maps and fixes
-(checked: stage keys number tensors in that order).
+`LayerShift.of` reads off the logical graph where τ holds: `renames` (T and τT
+of one shape, each its own atoms or the very same closed terms, so τ takes
+T's value to τT's), `alike` (besides, the same op and attributes, τT's
+arguments τ of T's, an argument outside the layers the very same tensor), and
+τ keeps the logical order of what it renames and of what layers share (stage
+keys number a formula's tensors in that order). τ is a bijection on the
+variables it moves: layer i's tensors go one to one to layer i+1's, and
+nothing outside the layers is an image.
 
 Each op of layer j on a rank (its microbatch 0, or an op of no microbatch) is
-paired once per program with the op at the same place among layer j−1's
-(`layer_counterparts`: the same op, attributes, shape, dtype and arity). At
-the op, each argument it reads must be τ of what the counterpart read: a
-value taken so from the very value the counterpart read (`LayerDeferred`,
-identity), a claim's continuation whose claim is τ of the counterpart's (the
-same slice of τ of its tensor: its atoms are τ of those atoms), or the very
-same value, which τ leaves alone (no atom of a layer tensor, no free part).
-Then the op's value is τ of the counterpart's (a renaming of variables commutes
-with every symbolic rule; the rank, so its coordinate, is the same). It is
-kept as the op on its arguments, not computed (a `Deferred`: built only if
-something asks, giving what stepping would have). At a whole or sliced cut
-whose claim is τ of the counterpart's, the stage's formula — the ops since the
-last cuts on continuations, against the claimed tensor's op on its arguments'
-atoms — is τ of the counterpart stage's formula, valid exactly when that one
-is, and its key is that stage's (keys number tensors by their logical order,
-which τ keeps). So it is recorded with that key and no terms, as a template
-hit is (docs/templates.md, "Layer j as layer j−1 renamed"). Only a
-counterpart stage whose key was found without unfolding is followed (unfolding
-reads the logical graph beyond the stage's tensors), so the stage recorded is
-the one stepping records, field for field. Anything else — a partial claim, an
-argument that is not τ of the counterpart's, a stage built with unfolding — is
-stepped as before: the pairing is a hypothesis each op's arguments confirm,
-never an assumption that layers are alike.
+paired once per program with the op at its place among the ops of the same
+phase of the neighbouring layer run just before it (`layer_counterparts`:
+layer j−1 for a forward or an optimizer step, layer j+1 for a backward; d is
+that offset, the renaming τ or τ⁻¹). At the op, each argument it reads must be
+the renaming of what the counterpart read: a value taken so from that very
+value (`LayerDeferred`, identity, the same d), a claim's continuation whose
+claim is the counterpart's renamed (the same slice of the renamed tensor), a
+free part of a partial cut paired with the counterpart's (τ takes the one's
+free atoms to the other's), or the very same value, which τ leaves alone (no
+atom of any layer's tensor, no free part, no data choice). Then the op's value
+is the counterpart's renamed (a renaming of variables commutes with every
+symbolic rule; the rank, so its coordinate, is the same). It is kept as the op
+on its arguments, not computed (a `Deferred`: built only if something asks,
+giving what stepping would have). Whether it is cut must agree with its
+counterpart. At a whole or sliced cut whose claim is the counterpart's renamed
+on an alike tensor, the stage's formula — the ops since the last cuts on the
+values read, against the claimed tensor's op on its arguments' values — is
+the counterpart stage's renamed: valid exactly when that one is, and with its
+key. So it is recorded with that key and no terms, as a template hit is; a
+partial cut is cut as stepping cuts it, and its group's stage takes the
+counterpart group's key where every member's part was taken so
+(docs/templates.md, "Layer j as layer j−1 renamed"). Only counterpart stages
+whose key came from their formula as built are followed (not unfolded, which
+reads the logical graph beyond the stage; no like terms collected), so the
+stage recorded is the one stepping records, field for field. Anything else —
+a contribution sum across the dp blocks, an argument that is not the
+counterpart's renamed, a stage built with unfolding — is stepped as before:
+the pairing is a hypothesis each op's arguments confirm, never an assumption
+that layers are alike.
 """
 from __future__ import annotations
 
@@ -261,15 +267,16 @@ class LayerDeferred(Deferred):
 
 
 class LayerRenamed:
-    """The ops of a `SymbolicRun` taken as layer j−1's renamed (a mixin: it reads the run's claims, sources,
-    stages, templates and stand-ins)."""
+    """The ops of a `SymbolicRun` taken as a neighbouring layer's renamed (a mixin: it reads the run's claims,
+    sources, stages, templates and stand-ins)."""
 
     def _pair_layers(self, plan, logical, on: bool) -> None:
         self._programs = plan.programs
         self.layers = layer_shift(plan.logical, logical) if on else None
         if self.layers is not None and not self.layers.alike:
             self.layers = None
-        self._layer_pairing: dict[str, dict[str, tuple]] = {}    # program -> op -> (counterpart, args side by side)
+        # program -> op -> (its counterpart, their arguments side by side, d)
+        self._layer_pairing: dict[str, dict[str, tuple]] = {}
         self._layer_images: dict[str, frozenset[str]] = {}       # program -> the counterparts and what they read
         self._layer_kept: dict[int, dict] = {}       # rank -> counterpart (or input) -> its value after its op
         self._layer_stage: dict[int, dict[str, int]] = {}     # rank -> counterpart -> its stage's index
@@ -279,7 +286,7 @@ class LayerRenamed:
         self._layer_groups: dict[StageId, int] = {}    # a partial claim's group stage -> its index, its key found so
         # a partial cut whose parts are taken so: (its counterpart's group stage, d) of each member's part so far
         self._layer_parts: dict[StageId, dict[int, tuple]] = {}
-        self.layer_renamed = 0            # ops taken as layer j−1's renamed
+        self.layer_renamed = 0            # ops taken as a neighbouring layer's renamed
 
     def _layer_program(self, name: str) -> dict[str, tuple]:
         found = self._layer_pairing.get(name)
@@ -312,7 +319,7 @@ class LayerRenamed:
             self._layer_stage.setdefault(rank, {})[name] = len(self.obligations) - 1
 
     def _layer_renamed(self, state, node: Node) -> bool:
-        """Take the op as τ of its counterpart in layer j−1 (the module docstring); False: step it."""
+        """Take the op as its counterpart's renamed (the module docstring); False: step it."""
         if self.layers is None or state.rank in self.mirrored:
             return False
         paired = self._layer_program(state.name).get(node.name)
