@@ -277,13 +277,11 @@ class LayerRenamed:
             self.layers = None
         # program -> op -> (its counterpart, their arguments side by side, d)
         self._layer_pairing: dict[str, dict[str, tuple]] = {}
-        self._layer_images: dict[str, frozenset[str]] = {}       # program -> the counterparts and what they read
-        self._layer_kept: dict[int, dict] = {}       # rank -> counterpart (or input) -> its value after its op
-        self._layer_stage: dict[int, dict[str, int]] = {}     # rank -> counterpart -> its stage's index
+        # program -> the counterparts and what they read: their values are kept (`_kept`, with microbatch 0's)
+        self._layer_images: dict[str, frozenset[str]] = {}
         self._plain_keys: set[str] = set()    # keys of formulas as built: neither unfolded nor like terms collected
-        self._keyed: set[int] = set()     # stages with such a key: τ of one takes its key
-        self._fixed_by_tau: dict[int, tuple] = {}    # id(value) -> (value, does τ leave it alone)
-        self._layer_groups: dict[StageId, int] = {}    # a partial claim's group stage -> its index, its key found so
+        self._keyed_at: dict[StageId, int] = {}   # a stage with such a key, by id -> its index: τ of it takes its key
+        self._fixed_by_tau: dict[int, dict] = {}  # rank -> id(value) -> (value, does τ leave it alone)
         # a partial cut whose parts are taken so: (its counterpart's group stage, d) of each member's part so far
         self._layer_parts: dict[StageId, dict[int, tuple]] = {}
         self.layer_renamed = 0            # ops taken as a neighbouring layer's renamed
@@ -306,24 +304,20 @@ class LayerRenamed:
         if self.layers is not None and rank not in self.mirrored:
             self._layer_program(program)
             if name in self._layer_images[program]:
-                self._layer_kept.setdefault(rank, {})[name] = value
+                self._kept.setdefault(rank, {})[name] = value
 
     def _keyed_if_plain(self, key: str) -> None:
-        """The stage just recorded has `key`: may τ of it take that key?"""
-        if key in self._plain_keys:
-            self._keyed.add(len(self.obligations) - 1)
-
-    def _layer_staged(self, rank: int, name: str) -> None:
-        """After recording a rank's stage at op `name`: where it is, for the op of the next layer."""
-        if self.layers is not None and len(self.obligations) - 1 in self._keyed:
-            self._layer_stage.setdefault(rank, {})[name] = len(self.obligations) - 1
+        """The stage just recorded has `key`: where its key came from its formula as built, τ of it may take that key
+        (the op of the next layer finds it by id)."""
+        if self.layers is not None and key in self._plain_keys:
+            self._keyed_at[self.obligations[-1].id] = len(self.obligations) - 1
 
     def _layer_renamed(self, state, node: Node) -> bool:
         """Take the op as its counterpart's renamed (the module docstring); False: step it."""
         if self.layers is None or state.rank in self.mirrored:
             return False
         paired = self._layer_program(state.name).get(node.name)
-        kept = self._layer_kept.get(state.rank)
+        kept = self._kept.get(state.rank)
         if paired is None or kept is None or paired[0] not in kept or (state.rank, paired[0]) in self.opaque:
             return False
         base, args, d = paired
@@ -331,7 +325,7 @@ class LayerRenamed:
         pairing = self._layer_pairing[state.name]
         for mine, theirs in args:
             value = env[mine]
-            if not self._layer_image(value, kept.get(theirs), mine == theirs, d, pairing):
+            if not self._layer_image(state.rank, value, kept.get(theirs), mine == theirs, d, pairing):
                 return False
             values.append(value)
         rank = state.rank
@@ -352,7 +346,7 @@ class LayerRenamed:
         self._kept_after(state, node, value)
         return True
 
-    def _layer_image(self, value, theirs, same: bool, d: int, pairing: dict) -> bool:
+    def _layer_image(self, rank: int, value, theirs, same: bool, d: int, pairing: dict) -> bool:
         """Is `value` what the counterpart read there, `theirs`, renamed from its layer j−d to layer j (τ for d = -1,
         τ⁻¹ for d = +1; `same`: the very tensor of the program)? A free part of a partial cut is its counterpart
         cut's renamed where the cuts pair (τ takes the free atoms of the one to the other's)."""
@@ -367,9 +361,10 @@ class LayerRenamed:
                 self._layer_maps(theirs.claim, value.claim, d)
         if value is not theirs:
             return False
-        found = self._fixed_by_tau.get(id(value))
+        cache = self._fixed_by_tau.setdefault(rank, {})
+        found = cache.get(id(value))
         if found is None or found[0] is not value:
-            found = self._fixed_by_tau[id(value)] = value, self.layers.fixes(value)
+            found = cache[id(value)] = value, self.layers.fixes(value)
         return found[1]
 
     def _layer_maps(self, theirs, mine, d: int, alike: bool = False) -> bool:
@@ -384,23 +379,17 @@ class LayerRenamed:
             return False
         if claim.partial:
             return self._layer_part(state, node, base, claim, args, d)
-        at = self._layer_stage.get(rank, {}).get(base)
-        if at is None:
-            return False
-        stage = self.obligations[at]
+        at = self._keyed_at.get(StageId("r", (rank,), base))
         value = Deferred(node, args, self.dims, state.ctx, self._shape(node))
-        if stage.ranks != (rank,) or stage.program != state.name or stage.notes or not self._shallow(value):
+        if at is None or self.obligations[at].notes or not self._shallow(value):
             return False
         cid = StageId("r", (rank,), node.name)
         reads = self._reads(state, node)
         self.sources[rank, node.name] = frozenset({cid})
-        self._append(cid, (rank,), state, node, claim, stage.key, reads)
-        self._keyed.add(len(self.obligations) - 1)
-        self.templated += 1
+        self._append_keyed(cid, (rank,), state, node, claim, self.obligations[at].key, reads)
         self._memoize(state, node, args, value)
         self._remember((rank,), node, claim, [value])
         self._staged(rank, node)
-        self._layer_staged(rank, node.name)
         out = self._continuation(rank, claim)
         self._copy_mirrors(state)
         if self.templates is not None:
@@ -415,7 +404,7 @@ class LayerRenamed:
         rank = state.rank
         members = self.members(rank, claim.partial)
         first = StageId.group(members, base)
-        if first not in self._layer_groups or any(m in self.mirrored for m in members) or \
+        if first not in self._keyed_at or any(m in self.mirrored for m in members) or \
                 self._contributes(members, claim):
             return False
         value = Deferred(node, args, self.dims, state.ctx, self._shape(node))
@@ -436,20 +425,18 @@ class LayerRenamed:
         taken = self._layer_parts.pop(cid, None) if self.layers is not None else None
         if taken is None or len(taken) != len(members) or len(set(taken.values())) != 1:
             return False
-        first = self.obligations[self._layer_groups[next(iter(taken.values()))[0]]]
-        if first.ranks != members or first.program != state.name or first.notes:
+        first = self.obligations[self._keyed_at[next(iter(taken.values()))[0]]]
+        if first.notes:
             return False
-        self._append(cid, members, state, node, claim, first.key, reads)
-        self._keyed.add(len(self.obligations) - 1)
-        self.templated += 1
+        self._append_keyed(cid, members, state, node, claim, first.key, reads)
         self._remember(members, node, claim, values)
-        self._layer_groups[cid] = len(self.obligations) - 1
         return True
 
-    def _layer_grouped(self, cid) -> None:
-        """After recording a partial claim's group stage: where it is, for the group of the next layer."""
-        if self.layers is not None and len(self.obligations) - 1 in self._keyed and self.obligations[-1].id == cid:
-            self._layer_groups[cid] = len(self.obligations) - 1
+    def _append_keyed(self, cid, members, state, node: Node, claim, key: str, reads) -> None:
+        """Record the stage with its counterpart's key, no terms built (as a template hit is)."""
+        self._append(cid, members, state, node, claim, key, reads)
+        self._keyed_at[cid] = len(self.obligations) - 1
+        self.templated += 1
 
     def _kept_after(self, state, node: Node, value) -> None:
         """What `_advance` leaves after the op: its value kept for microbatch k's and the next layer's ops, the

@@ -937,9 +937,8 @@ class SymbolicRun(StandIns, Renamed, LayerRenamed, Scheduler):
         if state.done:
             if self.bar is not None:
                 self.bar.update(self._stood_in_ops(state))
-            for held in (self._memo, self._conts, self._parts0, self._cuts0, self._footprints, self._kept, self._layer_kept,
-                         self._layer_stage,
-                         self._stage_at, self._segment_at):
+            for held in (self._memo, self._conts, self._parts0, self._cuts0, self._footprints, self._kept,
+                         self._fixed_by_tau, self._stage_at, self._segment_at):
                 held.pop(state.rank, None)
 
     def _cut(self, state, node: Node, value, claim: Claim, made: tuple | None = None, kind=None, reads=None):
@@ -960,7 +959,6 @@ class SymbolicRun(StandIns, Renamed, LayerRenamed, Scheduler):
                 self._record(cid, members, state, node, claim, [value], reads, made=made)
                 self._remember(members, node, claim, [value])
                 self._staged(rank, node)
-                self._layer_staged(rank, node.name)
             out = self._continuation(rank, claim)
             if not self._own_cuts(state, node, claim, kind, value, reads, out):
                 self._copy_mirrors(state)
@@ -988,7 +986,6 @@ class SymbolicRun(StandIns, Renamed, LayerRenamed, Scheduler):
                 self._record_group(cid, members, state, node, claim, values, reads, [parts[m][1] for m in members],
                                    made)
                 self._remember(members, node, claim, values)
-                self._layer_grouped(cid)
             if grouped:
                 self._copy_groups(state, cid, members)
         if copied and isinstance(value, Mirrored):
