@@ -27,7 +27,8 @@ from tv_ray.ir.graph import Graph
 from tv_ray.models import ModelSpec, get, list_models
 from tv_ray.parallel.recipe import parallelize as _parallelize
 from tv_ray.parallel.spec import ParallelSpec
-from tv_ray.plan import Plan, gc_paused
+from tv_ray.plan import Plan
+from tv_ray.processes import gc_paused
 from tv_ray.simulate import simulate
 
 if TYPE_CHECKING:

@@ -37,7 +37,6 @@ per rank.
 from __future__ import annotations
 
 import contextlib
-import gc
 import gzip
 import io
 import json
@@ -55,6 +54,7 @@ import numpy as np
 
 from tv_ray.errors import PlanError
 from tv_ray.ir import Graph, Node
+from tv_ray.processes import gc_paused
 from tv_ray.plan_repeats import compact, compact_nodes, expand_entries, nodes_of, rename
 
 FORMAT = "tv-ray-plan/1"
@@ -64,24 +64,6 @@ _FIELDS = ("format", "model", "dims", "mesh", "microbatches", "schedule", "logic
            "lineage", "interior", "recipe")
 _OPTIONAL = {"microbatches": 1, "schedule": "none", "interior": [], "recipe": None}
 RECIPE_FIELDS = ("optim", "clip", "tied", "parallel")
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pause the cyclic collector while a plan is built, read, checked, written or verified.
-
-    These allocate ~10^7 small acyclic objects (JSON values, nodes, tuples, terms);
-    each full collection would walk every one of them, which made loading 3-4x
-    slower. Example: ``with gc_paused(): plan = build(...); check_plan(plan)``; as a
-    decorator (``@gc_paused()``) it pauses the collector for each call.
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _is_int(value: Any) -> bool:

@@ -16,7 +16,8 @@ import numpy as np
 from tv_ray.errors import GraphError, PlanError, TvRayError
 from tv_ray.ir import Expr, Graph, Node
 from tv_ray.ir.ops import ATTRS, COMMUNICATION, RANK_DEPENDENT
-from tv_ray.plan import Fixed, Lineage, Plan, gc_paused
+from tv_ray.plan import Fixed, Lineage, Plan
+from tv_ray.processes import gc_paused
 from tv_ray.semantics import Context, check_graph
 
 # Ops that name mesh axes; none of them may appear in the logical graph.

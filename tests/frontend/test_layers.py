@@ -1,4 +1,5 @@
 """Layer extrapolation: a deep model's graph from 2/3/4-layer captures equals its full capture, and runs like torch."""
+import sys
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -169,3 +170,19 @@ def test_a_graph_without_a_layer_container_is_refused():
     with pytest.raises(CaptureError, match=r"^layer block: the 3-layer capture's new inputs \['w'\] are not the "
                                            r"parameters <container>\.2\.\* of one layer container$"):
         layers.find_pattern(two, three)
+
+
+def test_probes_traced_in_forked_processes_are_those_traced_here(monkeypatch):
+    """A deep model's probe captures are traced one per core in forked processes (`_prefetch`): each equals the
+    same probe traced in this process, and is kept for the process."""
+    module = sys.modules["tv_ray.frontend.capture"]      # the package exports a function of that name
+    monkeypatch.setattr(module, "_PROBES", {})
+    monkeypatch.setattr(module.os, "cpu_count", lambda: 2)
+    spec = models.get("gpt2-tiny").with_dims(layers=2)
+    tables = spec.probe_dims()
+    module._prefetch([(spec, table) for table in tables])
+    assert len(module._PROBES) == len(tables)
+    for table in tables:
+        held = module._PROBES[module._probe_key(spec, table)]
+        assert held == capture_spec_at(spec, table)
+        assert probe_capture(spec, table) is held

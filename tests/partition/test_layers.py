@@ -131,12 +131,8 @@ def test_each_op_pairs_with_the_op_at_its_place_in_the_layer_run_just_before(dee
             assert d == (1 if a.get_meta("phase") == "bwd" else -1)
 
 
-@pytest.mark.parametrize("spec", ["tp=2,pp=2,mb=2", "dp=2,tp=2,mb=2", ParallelSpec.parse("tp=2,mb=2", sp=True)],
-                         ids=str)
-def test_layer_renamed_ops_give_the_stages_of_stepping_every_op(deep, spec, monkeypatch):
-    """Taken as their counterparts' renamed (partial cuts and free parts among them) or stepped: the same stages, keys,
-    copies and notes."""
-    plan, dims, claims = deep(spec)
+def _taken(monkeypatch) -> list[str]:
+    """The ops the layer path takes from now on, as they are taken."""
     taken = []
     take = LayerRenamed._kept_after
 
@@ -144,6 +140,16 @@ def test_layer_renamed_ops_give_the_stages_of_stepping_every_op(deep, spec, monk
         taken.append(node.name)
         return take(self, state, node, value)
     monkeypatch.setattr(LayerRenamed, "_kept_after", spy)
+    return taken
+
+
+@pytest.mark.parametrize("spec", ["tp=2,pp=2,mb=2", "dp=2,tp=2,mb=2", ParallelSpec.parse("tp=2,mb=2", sp=True)],
+                         ids=str)
+def test_layer_renamed_ops_give_the_stages_of_stepping_every_op(deep, spec, monkeypatch):
+    """Taken as their counterparts' renamed (partial cuts and free parts among them) or stepped: the same stages, keys,
+    copies and notes."""
+    plan, dims, claims = deep(spec)
+    taken = _taken(monkeypatch)
     on = partition(plan, dims, claims, shards=False)
     monkeypatch.setattr(LayerRenamed, "_layer_renamed", lambda self, state, node: False)
     off = partition(plan, dims, claims, shards=False)
@@ -186,3 +192,46 @@ def test_an_op_of_layer_2_reading_layer_1s_value_is_stepped_and_refuted_there(de
     assert outcome.status == "refuted" and outcome.partition.layer_renamed > 500
     assert (mm.name, True) not in taken
     assert (first.id.tensor, first.mb, first.module) == (mm.name, 0, "layers.2.attn.q_proj")
+
+
+def test_a_backward_op_reading_another_layers_activation_is_stepped_and_refuted(deep, monkeypatch):
+    """Layer 2's attention backward transposes a forward activation of layer 2 (a view no claim cuts), which was taken
+    as layer 1's renamed; its counterpart (layer 3's) transposes layer 3's, taken as layer 2's renamed — τ of what it
+    reads, the other way round —, so it is taken renamed. Transposing layer 1's activation instead, it is stepped,
+    and the plan refuted in layer 2's attention backward."""
+    plan, dims, claims = deep("tp=2,mb=2")
+    program = plan.programs["main"]
+    pairs = layer_counterparts(program)
+    transpose = next(n for n in program.nodes if n.get_meta("module") == "layers.2.attn" and n.get_meta("mb") == 0
+                     and n.get_meta("phase") == "bwd" and n.op == Op.TRANSPOSE and
+                     program.value(n.args[0]).get_meta("phase") == "fwd")
+    activation = transpose.args[0]
+    earlier, d = pairs[activation]
+    assert pairs[transpose.name][1] == 1 and d == -1 and (0, activation) not in claims
+    assert program.value(earlier).get_meta("module") == "layers.1.attn"
+    taken = _taken(monkeypatch)
+    assert _verify(plan).status == "proved"
+    assert activation in taken and transpose.name in taken
+    wrong = _like(transpose, transpose.name, "transpose", [earlier], dict(transpose.attr))
+    mutant = with_program(plan, "main", edit(program, "main", change={transpose.name: wrong}))
+    taken.clear()
+    outcome = _verify(mutant)
+    first = outcome.first_refuted()
+    assert outcome.status == "refuted" and transpose.name not in taken
+    assert (first.mb, first.module, first.phase) == (0, "layers.2.attn", "bwd")
+
+
+def test_an_unfolded_counterpart_stage_lends_its_key_only_where_tau_renames_what_unfolded_it():
+    """A stage whose formula was unfolded by tensors' definitions serves layer j only where each tensor is alike
+    (τ of its equation is the graph's own); then layer j's stage holds τ of the set (τ⁻¹ for a backward, d = +1)."""
+    run = object.__new__(LayerRenamed)
+    run.layers = LayerShift({"a1": "a2", "b1": "b2"}, frozenset({"a1"}), frozenset({"a1", "a2", "b1", "b2"}), [])
+    plain, alike, other = (layers.StageId("r", (0,), name) for name in ("plain", "alike", "other"))
+    run._keyed_at = {plain: (0, frozenset()), alike: (1, frozenset({"a1"})), other: (2, frozenset({"b1"}))}
+    assert run._keyed_stage(plain, -1) == (0, frozenset())
+    assert run._keyed_stage(alike, -1) == (1, frozenset({"a2"}))
+    assert run._keyed_stage(other, -1) is None                   # b1 is renamed but not alike
+    assert run._keyed_stage(layers.StageId("r", (0,), "none"), -1) is None
+    run._keyed_at[alike] = (1, frozenset({"a2"}))
+    assert run._keyed_stage(alike, 1) == (1, frozenset({"a1"}))  # a2 is τ of an alike tensor
+    assert run._keyed_stage(alike, -1) is None                   # a2 itself is no alike tensor's preimage

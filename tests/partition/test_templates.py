@@ -75,7 +75,7 @@ def test_every_instance_of_a_template_is_the_built_one_renamed(claimed, monkeypa
     def spy_expand(lhs, rhs, logical):
         out = expand(lhs, rhs, logical)
         if last.get("template") is not None:
-            seen.setdefault(last["template"], set()).add(_renamed(*out, last["numbers"]))
+            seen.setdefault(last["template"], set()).add(_renamed(*out[:2], last["numbers"]))
             instances[last["template"]] = instances.get(last["template"], 0) + 1
             last["template"] = None
         return out

@@ -48,8 +48,8 @@ from tv_ray.certificate.write import FORMAT, INSTANCES, MANIFEST, TABLE, manifes
 from tv_ray.errors import CertificateError, PlanError
 from tv_ray.partition.compose import composition_problems
 from tv_ray.partition.derive import Settings, derive
-from tv_ray.partition.generate import in_processes
-from tv_ray.plan import Plan, gc_paused
+from tv_ray.plan import Plan
+from tv_ray.processes import gc_paused, in_processes
 from tv_ray.smt import prove, prove_all
 from tv_ray.terms import Term
 from tv_ray.terms.normal import NormaliseError, Normaliser, ground_lemmas

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Protocol
 
 from tv_ray.engine.solve import Budget, Verdict, solve
-from tv_ray.partition.generate import in_processes
+from tv_ray.processes import in_processes
 from tv_ray.terms import from_table, to_table
 
 
@@ -94,7 +94,7 @@ class LocalExecutor:
         return self.jobs
 
     def map(self, fn: Callable, jobs: list[tuple]) -> Iterator[tuple[int, object]]:
-        """`fn(*job)` for each job in `jobs` worker processes (`tv_ray.partition.generate.in_processes`), yielding
+        """`fn(*job)` for each job in `jobs` worker processes (`tv_ray.processes.in_processes`), yielding
         (job index, result) as each finishes."""
         return in_processes(self.jobs)(fn, jobs)
 

@@ -7,14 +7,16 @@ shapes. Names follow docs/plan-format.md: inputs ``tokens``, ``targets`` (data)
 and parameters by module path; outputs ``loss`` and ``grad/<param>``.
 
 A model deeper than 4 layers is captured at 2, 3 and 4 layers and its layer
-block repeated (`layers`). Probe captures are kept for the process, keyed by
+block repeated (`layers`); its nine probe captures are traced in forked
+processes, one per core. Probe captures are kept for the process, keyed by
 the module factory and the config at the probe dims, so models that differ
 only in their full dims or depth (llama3-8b / 70b / 405b) share them.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
+import multiprocessing
+import os
 from typing import Mapping, Sequence
 
 import torch
@@ -27,6 +29,7 @@ from tv_ray.frontend.layers import PROBE_LAYERS, extrapolate as extrapolate_laye
 from tv_ray.frontend.trace import fake_inputs, trace_joint
 from tv_ray.ir import Graph
 from tv_ray.models.spec import ModelSpec
+from tv_ray.processes import in_processes
 
 
 def capture_concrete(module: torch.nn.Module, inputs: Sequence[torch.Tensor], *,
@@ -46,19 +49,52 @@ def capture_spec_at(spec: ModelSpec, dims: Mapping[str, int]) -> Graph:
                             int_highs={"tokens": dims["vocab"], "targets": dims["vocab"]}, mode=mode)
 
 
-@functools.lru_cache(maxsize=None)
-def _probe_capture(make_module, config, table: tuple[tuple[str, int], ...]) -> Graph:
+_PROBES: dict[tuple, Graph] = {}      # (module factory, config, dims table) -> its capture, for the process
+
+
+def _probe_key(spec: ModelSpec, table: Mapping[str, int]) -> tuple | None:
+    """What a probe capture depends on: the module factory and the config at the table (None: unhashable, a
+    mutable config — traced afresh)."""
+    key = (spec.make_module, dataclasses.replace(spec.config, **table), tuple(sorted(table.items())))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _capture_probe(make_module, config, table: tuple[tuple[str, int], ...]) -> Graph:
     return capture_spec_at(ModelSpec("probe", config, make_module), dict(table))
 
 
 def probe_capture(spec: ModelSpec, table: Mapping[str, int]) -> Graph:
     """`capture_spec_at`, kept for the process: the graph depends only on the module factory and the config."""
-    config = dataclasses.replace(spec.config, **table)
-    try:
-        hash((spec.make_module, config))
-    except TypeError:    # an unhashable (mutable) config is traced afresh
+    key = _probe_key(spec, table)
+    if key is None:
         return capture_spec_at(spec, table)
-    return _probe_capture(spec.make_module, config, tuple(sorted(table.items())))
+    got = _PROBES.get(key)
+    if got is None:
+        got = _PROBES[key] = _capture_probe(*key)
+    return got
+
+
+def _prefetch(probes: list[tuple[ModelSpec, Mapping[str, int]]]) -> None:
+    """The probe captures not held yet, traced in forked processes, one per core (a deep model's nine: 15 s on
+    one core). Only where this process may have children; a probe that fails there is traced again here, in
+    order, by `probe_capture`, which raises its error. The first is traced here, before forking, so that torch's
+    set-up on a first trace (seconds) is made once."""
+    keys = list(dict.fromkeys(k for spec, table in probes
+                              if (k := _probe_key(spec, table)) is not None and k not in _PROBES))
+    workers = min(len(keys), os.cpu_count() or 1)
+    if workers < 2 or multiprocessing.current_process().daemon:
+        return
+    _PROBES[keys[0]] = _capture_probe(*keys[0])      # here first: the processes inherit torch's first-trace set-up
+    rest = keys[1:]
+    try:
+        for i, graph in in_processes(workers)(_capture_probe, rest):
+            _PROBES[rest[i]] = graph
+    except Exception:       # noqa: BLE001 — an optimisation only: the captures in order raise what failed
+        return
 
 
 def capture_symbolic(spec: ModelSpec) -> Graph:
@@ -90,7 +126,9 @@ def capture(model: ModelSpec | torch.nn.Module, inputs: Sequence[torch.Tensor] |
                                f"spec.build(...) and inputs to capture a module at fixed inputs")
         layers = getattr(model.config, "layers", None)
         if extrapolate and isinstance(layers, int) and layers > max(PROBE_LAYERS):
-            probes = {k: capture_symbolic(model.with_dims(layers=k)) for k in PROBE_LAYERS}
+            depths = [model.with_dims(layers=k) for k in PROBE_LAYERS]
+            _prefetch([(spec, table) for spec in depths for table in spec.probe_dims()])
+            probes = {k: capture_symbolic(spec) for k, spec in zip(PROBE_LAYERS, depths)}
             return extrapolate_layers(probes, layers, model.name)
         return capture_symbolic(model)
     if isinstance(model, torch.nn.Module):

@@ -20,7 +20,8 @@ from tv_ray.parallel.pipeline import split_stages
 from tv_ray.parallel.rules import Env
 from tv_ray.parallel.spec import ParallelSpec
 from tv_ray.parallel.vocab import vocab_parallel_forms
-from tv_ray.plan import FORMAT, Plan, RankMap, gc_paused
+from tv_ray.plan import FORMAT, Plan, RankMap
+from tv_ray.processes import gc_paused
 from tv_ray.plan_check import check_plan
 
 # Megatron tensor parallelism: which dim of a parameter tp cuts (torch Linear weights are [out, in]).

@@ -24,7 +24,8 @@ from __future__ import annotations
 from tv_ray.errors import StageCycle
 from tv_ray.partition.dag import generations, reads_of
 from tv_ray.partition.stages import Partition
-from tv_ray.plan import Plan, gc_paused
+from tv_ray.plan import Plan
+from tv_ray.processes import gc_paused
 
 
 def established(part: Partition, proved: set[str], reads: dict) -> tuple[set[str], list[str]]:

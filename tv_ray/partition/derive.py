@@ -28,11 +28,12 @@ import numpy as np
 from tv_ray.errors import ClaimsMissing
 from tv_ray.partition.claims import (Claim, ConcreteRun, group_value, infer_claims, input_claims, interior_claims,
                                     output_claims, runs_for)
-from tv_ray.partition.generate import Generate, in_processes, ops_of, partition
+from tv_ray.partition.generate import ops_of, partition
 from tv_ray.partition.ids import StageId
 from tv_ray.partition.stages import Partition
 from tv_ray.partition.symmetry import Blocks, Mirrors, find_mirrors, microbatch_moves
 from tv_ray.plan import Plan
+from tv_ray.processes import Generate, in_processes
 from tv_ray.reduce import Reduction, reduce_plan
 from tv_ray.semantics.table import instantiate_shape
 from tv_ray.simulate import max_abs_deviation

@@ -24,14 +24,10 @@ certificate records the shard count, so its checker re-derives the same stages.
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
-import gc
-import multiprocessing
-import pickle
 import sys
 from dataclasses import dataclass, replace
 from functools import cache
-from typing import Callable, Iterable, Iterator
+from typing import Iterable
 
 import numpy as np
 from tqdm import tqdm
@@ -45,16 +41,12 @@ from tv_ray.partition.microbatches import Shifts
 from tv_ray.partition.stages import Obligation, Partition, SymbolicRun
 from tv_ray.partition.symmetry import Blocks, Mirrors, Moves, find_mirrors, microbatch_moves
 from tv_ray.partition.templates import Templates
-from tv_ray.plan import Plan, gc_paused
+from tv_ray.plan import Plan
+from tv_ray.processes import Generate, gc_paused
 from tv_ray.terms import Term, from_table, to_table
 
 SHARD_MIN = 1_000_000       # ops stepped (every rank's program) from which a plan with pipeline stages is sharded
 AXIS = "pp"
-
-# Runs `fn(*job)` for each job, yielding (job index, result) as each finishes: `RayExecutor.map` (Ray tasks),
-# `LocalExecutor.map` (worker processes).
-Generate = Callable[[Callable, list[tuple]], Iterable[tuple[int, object]]]
-
 
 @dataclass
 class ShardRun:
@@ -90,37 +82,6 @@ class ShardRun:
         state["formulas"] = {key: ([next(roots) for _ in range(left)], [next(roots) for _ in range(right)])
                              for key, (left, right) in zip(keys, sides)}
         self.__dict__.update(state)
-
-
-def in_processes(workers: int) -> Generate:
-    """A `Generate` that runs the jobs in `workers` processes forked for the call, yielding (job index, result) as
-    each finishes. The processes inherit the jobs as they are forked (`_FORKED`): a job travels as its index, not
-    its arguments — pickling the plan and the claims to each took llama3-70b at 16 layers ~12 s."""
-    def generate(fn: Callable, jobs: list[tuple]) -> Iterator[tuple[int, object]]:
-        global _FORKED
-        _FORKED = (fn, jobs)
-        try:
-            with cf.ProcessPoolExecutor(max(1, min(workers, len(jobs))),
-                                        mp_context=multiprocessing.get_context("fork")) as pool:
-                futures = {pool.submit(_forked_job, i): i for i in range(len(jobs))}
-                for f in cf.as_completed(futures):
-                    with gc_paused():
-                        result = pickle.loads(f.result())
-                    yield futures[f], result
-        finally:
-            _FORKED = None
-    return generate
-
-
-_FORKED: tuple[Callable, list[tuple]] | None = None      # the function and jobs of the `in_processes` call running
-
-
-def _forked_job(i: int) -> bytes:
-    """Job `i`, its result pickled here with the cyclic collector off (the process holds nothing cyclic worth
-    collecting; with it on, pickling a 70B 16-layer shard's stages took 2.7 s instead of 0.75)."""
-    gc.disable()
-    fn, jobs = _FORKED
-    return pickle.dumps(fn(*jobs[i]), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def ops_of(plan: Plan, ranks: Iterable[int]) -> int:
@@ -354,5 +315,5 @@ def _assemble(obligations, boundary, run_notes, formulas, symmetry, copies, foun
                      accumulated)
 
 
-__all__ = ["partition", "pipeline_shards", "run_shards", "merge", "ops_of", "in_processes", "ShardRun", "Renamings",
+__all__ = ["partition", "pipeline_shards", "run_shards", "merge", "ops_of", "ShardRun", "Renamings",
            "SHARD_MIN"]

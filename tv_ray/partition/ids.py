@@ -19,6 +19,9 @@ NOTHING: frozenset = frozenset()     # what an op reads when its arguments read 
 PREFIX = {"in": "in:r", "r": "r", "g": "g", "opaque": "opaque:r"}
 
 
+_MADE = tuple.__new__
+
+
 class StageId(NamedTuple):
     kind: str                   # in | r | g | opaque
     ranks: tuple[int, ...]
@@ -31,8 +34,9 @@ class StageId(NamedTuple):
 
     @staticmethod
     def group(members: tuple[int, ...], tensor: str) -> "StageId":
-        """The claim on `tensor` held by one rank, or summed over a group of several."""
-        return StageId("r" if len(members) == 1 else "g", tuple(members), tensor)
+        """The claim on `tensor` held by one rank, or summed over a group of several (made as a tuple is: a
+        generation makes millions)."""
+        return _MADE(StageId, ("r" if len(members) == 1 else "g", tuple(members), tensor))
 
     @staticmethod
     def opaque(rank: int, tensor: str) -> "StageId":

@@ -20,7 +20,9 @@ phase of the neighbouring layer run just before it (`layer_counterparts`:
 layer j−1 for a forward or an optimizer step, layer j+1 for a backward; d is
 that offset, the renaming τ or τ⁻¹). At the op, each argument it reads must be
 the renaming of what the counterpart read: a value taken so from that very
-value (`LayerDeferred`, identity, the same d), a claim's continuation whose
+value (`LayerDeferred`, identity, the same d) or the value the counterpart read
+taken so from this one (the opposite d: a backward op reads its layer's forward
+activation, taken as the layer before's renamed), a claim's continuation whose
 claim is the counterpart's renamed (the same slice of the renamed tensor), a
 free part of a partial cut paired with the counterpart's (τ takes the one's
 free atoms to the other's), or the very same value, which τ leaves alone (no
@@ -36,12 +38,12 @@ the counterpart stage's renamed: valid exactly when that one is, and with its
 key. So it is recorded with that key and no terms, as a template hit is; a
 partial cut is cut as stepping cuts it, and its group's stage takes the
 counterpart group's key where every member's part was taken so
-(docs/templates.md, "Layer j as layer j−1 renamed"). Only counterpart stages
-whose key came from their formula as built are followed (not unfolded, which
-reads the logical graph beyond the stage; no like terms collected), so the
-stage recorded is the one stepping records, field for field. Anything else —
-a contribution sum across the dp blocks, an argument that is not the
-counterpart's renamed, a stage built with unfolding — is stepped as before:
+(docs/templates.md, "Layer j as layer j−1 renamed"). A counterpart stage whose
+formula was unfolded by the definitions of some logical tensors is followed
+only where each of them is alike (τ of the equation it was unfolded by is the
+graph's own). Anything else — a contribution sum across the dp blocks, an
+argument that is not the counterpart's renamed, a stage unfolded by a tensor
+τ does not show alike — is stepped as before:
 the pairing is a hypothesis each op's arguments confirm, never an assumption
 that layers are alike.
 """
@@ -99,6 +101,8 @@ class LayerShift:
 
     def __init__(self, renames: dict[str, str], alike: frozenset[str], layered: frozenset[str], notes: list[str]):
         self.renames, self.alike, self.layered, self.notes = renames, alike, layered, notes
+        self.preimages = {y: x for x, y in renames.items()}             # τ⁻¹ (τ is one to one)
+        self.alike_images = frozenset(renames[x] for x in alike)
 
     @staticmethod
     def of(graph: Graph, logical) -> "LayerShift":
@@ -279,8 +283,8 @@ class LayerRenamed:
         self._layer_pairing: dict[str, dict[str, tuple]] = {}
         # program -> the counterparts and what they read: their values are kept (`_kept`, with microbatch 0's)
         self._layer_images: dict[str, frozenset[str]] = {}
-        self._plain_keys: set[str] = set()    # keys of formulas as built: neither unfolded nor like terms collected
-        self._keyed_at: dict[StageId, int] = {}   # a stage with such a key, by id -> its index: τ of it takes its key
+        # each stage with a key, by id -> its index and the tensors its formula was unfolded by (`_keyed`)
+        self._keyed_at: dict[StageId, tuple[int, frozenset[str]]] = {}
         self._fixed_by_tau: dict[int, dict] = {}  # rank -> id(value) -> (value, does τ leave it alone)
         # a partial cut whose parts are taken so: (its counterpart's group stage, d) of each member's part so far
         self._layer_parts: dict[StageId, dict[int, tuple]] = {}
@@ -306,11 +310,29 @@ class LayerRenamed:
             if name in self._layer_images[program]:
                 self._kept.setdefault(rank, {})[name] = value
 
-    def _keyed_if_plain(self, key: str) -> None:
-        """The stage just recorded has `key`: where its key came from its formula as built, τ of it may take that key
-        (the op of the next layer finds it by id)."""
-        if self.layers is not None and key in self._plain_keys:
-            self._keyed_at[self.obligations[-1].id] = len(self.obligations) - 1
+    def _keyed(self, unfolded: frozenset[str]) -> None:
+        """The stage just recorded has a key, its formula unfolded by the definitions of the tensors `unfolded`
+        (`expand`): τ of it may take that key where τ renames those definitions too (`_keyed_stage`); the op of the
+        neighbouring layer finds it by id."""
+        if self.layers is not None:
+            self._keyed_at[self.obligations[-1].id] = len(self.obligations) - 1, unfolded
+
+    def _keyed_stage(self, cid: StageId, d: int) -> tuple[int, frozenset[str]] | None:
+        """The counterpart stage `cid`'s index, and the tensors the renamed stage's formula is unfolded by (τ of
+        its own for d = -1, τ⁻¹ for d = +1), where its key serves the renamed stage: each tensor its formula was
+        unfolded by has a definition the logical graph shows renamed (alike) — so τ of the equation it was
+        unfolded by is the graph's own; else None."""
+        found = self._keyed_at.get(cid)
+        if found is None:
+            return None
+        at, unfolded = found
+        if not unfolded:
+            return found
+        step = self.layers.renames if d < 0 else self.layers.preimages
+        alike = self.layers.alike if d < 0 else self.layers.alike_images
+        if not unfolded <= alike:
+            return None
+        return at, frozenset(step[t] for t in unfolded)
 
     def _layer_renamed(self, state, node: Node) -> bool:
         """Take the op as its counterpart's renamed (the module docstring); False: step it."""
@@ -350,6 +372,8 @@ class LayerRenamed:
         """Is `value` what the counterpart read there, `theirs`, renamed from its layer j−d to layer j (τ for d = -1,
         τ⁻¹ for d = +1; `same`: the very tensor of the program)? A free part of a partial cut is its counterpart
         cut's renamed where the cuts pair (τ takes the free atoms of the one to the other's)."""
+        if type(theirs) is LayerDeferred and theirs.image is value and theirs.d == -d:
+            return True         # the counterpart read this value renamed the other way (τ⁻¹ of τ, or τ of τ⁻¹)
         if isinstance(value, LayerDeferred):
             return value.image is theirs and value.d == d
         if not same:
@@ -379,14 +403,14 @@ class LayerRenamed:
             return False
         if claim.partial:
             return self._layer_part(state, node, base, claim, args, d)
-        at = self._keyed_at.get(StageId("r", (rank,), base))
+        found = self._keyed_stage(StageId("r", (rank,), base), d)
         value = Deferred(node, args, self.dims, state.ctx, self._shape(node))
-        if at is None or self.obligations[at].notes or not self._shallow(value):
+        if found is None or self.obligations[found[0]].notes or not self._shallow(value):
             return False
         cid = StageId("r", (rank,), node.name)
         reads = self._reads(state, node)
         self.sources[rank, node.name] = frozenset({cid})
-        self._append_keyed(cid, (rank,), state, node, claim, self.obligations[at].key, reads)
+        self._append_keyed(cid, (rank,), state, node, claim, self.obligations[found[0]].key, reads, found[1])
         self._memoize(state, node, args, value)
         self._remember((rank,), node, claim, [value])
         self._staged(rank, node)
@@ -404,7 +428,7 @@ class LayerRenamed:
         rank = state.rank
         members = self.members(rank, claim.partial)
         first = StageId.group(members, base)
-        if first not in self._keyed_at or any(m in self.mirrored for m in members) or \
+        if self._keyed_stage(first, d) is None or any(m in self.mirrored for m in members) or \
                 self._contributes(members, claim):
             return False
         value = Deferred(node, args, self.dims, state.ctx, self._shape(node))
@@ -425,17 +449,19 @@ class LayerRenamed:
         taken = self._layer_parts.pop(cid, None) if self.layers is not None else None
         if taken is None or len(taken) != len(members) or len(set(taken.values())) != 1:
             return False
-        first = self.obligations[self._keyed_at[next(iter(taken.values()))[0]]]
-        if first.notes:
+        found = self._keyed_stage(*next(iter(taken.values())))
+        if found is None or self.obligations[found[0]].notes:
             return False
-        self._append_keyed(cid, members, state, node, claim, first.key, reads)
+        first, unfolded = self.obligations[found[0]], found[1]
+        self._append_keyed(cid, members, state, node, claim, first.key, reads, unfolded)
         self._remember(members, node, claim, values)
         return True
 
-    def _append_keyed(self, cid, members, state, node: Node, claim, key: str, reads) -> None:
-        """Record the stage with its counterpart's key, no terms built (as a template hit is)."""
+    def _append_keyed(self, cid, members, state, node: Node, claim, key: str, reads, unfolded: frozenset[str]) -> None:
+        """Record the stage with its counterpart's key, no terms built (as a template hit is); its formula is the
+        counterpart's renamed, so unfolded by the renamed tensors `unfolded`."""
         self._append(cid, members, state, node, claim, key, reads)
-        self._keyed_at[cid] = len(self.obligations) - 1
+        self._keyed_at[cid] = len(self.obligations) - 1, unfolded
         self.templated += 1
 
     def _kept_after(self, state, node: Node, value) -> None:

@@ -192,18 +192,20 @@ def counterparts(program: Graph) -> dict[str, str]:
 
 
 class GroupCut(NamedTuple):
-    """A partial cut of a run segment (`Renamed._taken`): its group, its counterpart's value before the cut and the
-    id of its counterpart's stage."""
+    """A partial cut of a run segment (`Renamed._taken`): its group, its counterpart's value before the cut, the id
+    of its counterpart's stage, and where its counterpart's part is kept (`_parts0`: the key, and the entry there)."""
 
     members: tuple[int, ...]
     value: object
     first: StageId
+    key: tuple
+    entry: tuple
 
 
 class Wired(NamedTuple):
     """What `Renamed._renamed_run` reads of a run segment that is the same for every k (`Renamed._wired`)."""
 
-    claims: tuple           # per op: its counterpart's claim where it is a cut (else None)
+    claims: tuple           # per float op (`Run.floats`): its counterpart's claim where it is a cut (else None)
     groups: tuple           # per op: the group of its cut (else None)
     steps: tuple            # the cuts in order: (ops, their counterparts' stages) of plain ones between partial
     #                         ones, and (op, `GroupCut`, the segment's cuts and entries it reads) of each partial one
@@ -212,6 +214,7 @@ class Wired(NamedTuple):
     #                         reads include what entries read
     combos: tuple           # the distinct (cuts, entries) read by the values that outlive the segment
     live: tuple             # (op, its combo) of each value that outlives the segment
+    gone: tuple             # the partial cuts whose values the segment reads last: their sources, dropped after it
 
 
 class Run:
@@ -220,7 +223,7 @@ class Run:
     else it reads comes from before the stretch (an entry) as its counterpart's does. `Renamed._renamed_run` takes
     it at once."""
 
-    __slots__ = ("start", "k", "nodes", "bases", "entries", "wiring", "alone", "live", "frees", "gone")
+    __slots__ = ("start", "k", "nodes", "bases", "entries", "wiring", "alone", "live", "frees", "gone", "floats")
 
     def __init__(self, nodes, at: dict[str, int], pairs: dict[str, str], frees: list[list[str]], start: int,
                  stop: int):
@@ -240,6 +243,7 @@ class Run:
         self.live = tuple(i for i, node in enumerate(self.nodes) if node.name not in freed)
         self.frees = tuple(name for name in freed if at.get(name, -1) < start)
         self.gone = tuple(node.name for node in self.nodes if node.name in freed)     # its own values read last in it
+        self.floats = tuple(node.name for node in self.nodes if node.dtype == "float")    # the ops a claim may cut
 
 
 def runs(program: Graph, pairs: dict[str, str], frees: list[list[str]], at: dict[str, int]) -> dict[int, Run]:
@@ -375,12 +379,14 @@ class Renamed:
                 return False
         if not all(any(moved[e] for e in alone) for alone in segment.alone):
             return False
-        claims, moves_to, paired = self.claims, self.moves.blocks.moves_to, self.moves.pairs.get(k, {})
-        for node, claim0 in zip(segment.nodes, checked.claims):
-            if node.dtype == "float":
-                claim = claims.get((rank, node.name))
-                if (claim is None) != (claim0 is None) or claim is not None and not moves_to(claim0, k, claim):
+        claims, moves_to, paired = self.claims.get, self.moves.blocks.moves_to, self.moves.pairs.get(k, {})
+        for name, claim0 in zip(segment.floats, checked.claims):
+            claim = claims((rank, name))
+            if claim is None:
+                if claim0 is not None:
                     return False
+            elif claim0 is None or not moves_to(claim0, k, claim):
+                return False
         for i, at in checked.group_cuts:     # a partial cut's free parts pair with its counterpart's (`_moved_part`)
             cid = StageId.group(at.members, segment.nodes[i].name)
             if paired.get(at.first, cid) != cid or paired.get(cid, at.first) != at.first:
@@ -412,13 +418,9 @@ class Renamed:
                 self._keep_copies(rank, [start + i for i in positions], ats, k)
                 continue
             i, at, within, entries = step
-            node = segment.nodes[i]
             state.pc = start + i
-            out = self._cut(state, node, Moved(at.value, k), self.claims[rank, node.name],
-                            reads=self._segment_reads(rank, segment, groups, within, entries))[0]
-            if not isinstance(out, Moved) or out.base is not kept[segment.bases[i]] or out.k != k:
-                raise TvRayError(f"{self.plan.describe(rank)} {node.name}: a partial cut in a run segment "
-                                 f"continues from something other than its counterpart's part renamed")
+            self._segment_part(state, segment.nodes[i], at, k, self._segment_reads(rank, segment, groups, within,
+                                                                                     entries))
         nodes, bases, sources = segment.nodes, segment.bases, self.sources
         for i, combo in checked.live:
             name = nodes[i].name
@@ -427,11 +429,24 @@ class Renamed:
         for name in segment.frees:
             del env[name]
             self._dropped(rank, name)
-        for name in segment.gone:           # its own values read last in it: a partial cut's sources, from `_cut`
+        for name in checked.gone:
             self._dropped(rank, name)
         self.renamed += len(segment.nodes) - len(checked.group_cuts)
         state.pc = start + len(segment.nodes)
         self._stepped_past(state, len(segment.nodes))
+
+    def _segment_part(self, state, node, at: GroupCut, k: int, reads: frozenset) -> None:
+        """A partial cut of a run segment, as `_cut` makes it (`_taken` checked what does not depend on k): its part,
+        its counterpart's value before the cut renamed, added to its group; the member continues from its
+        counterpart's part renamed, the two cuts' free atoms paired (`_moved_part`)."""
+        rank = state.rank
+        cid = StageId.group(at.members, node.name)
+        self.sources[rank, node.name] = frozenset({cid})
+        self._add_part(state, node, self.claims[rank, node.name], cid, at.members, (Moved(at.value, k), reads, None),
+                       None, False)
+        if self._parts0.get(rank, {}).get(at.key) is not at.entry or not self.moves.pair(k, at.first, cid):
+            raise TvRayError(f"{self.plan.describe(rank)} {node.name}: a partial cut in a run segment "
+                             f"continues from something other than its counterpart's part renamed")
 
     def _program_runs(self, state) -> tuple[dict[int, Run], dict[str, int]]:
         """The program's runs by first position, and its ops' positions."""
@@ -507,10 +522,11 @@ class Renamed:
         args = [kept.get(name) for name in self._nodes[state.name][base].args]
         value = self._memoized(rank, node, args) if all(a is not None for a in args) else None
         cut = self._cuts0.get(rank, {}).get(place(claim))
-        part = self._parts0.get(rank, {}).get((place(claim), members.index(rank)))
+        key = place(claim), members.index(rank)
+        part = self._parts0.get(rank, {}).get(key)
         if value is None or cut is None or cut[1] is not value or part is None or part[1] is not kept[base]:
             return None
-        return claim, GroupCut(members, value, part[0])
+        return claim, GroupCut(members, value, part[0], key, part)
 
     def _wired(self, rank: int, segment: Run, taken: list) -> Wired | None:
         """What `_renamed_run` reads of a segment (its ops `taken`, `Wired`), or None where a cut reading only the
@@ -546,8 +562,10 @@ class Renamed:
             steps.append((tuple(positions), tuple(ats)))
         combos: dict[tuple, int] = {}
         live = tuple((i, combos.setdefault(reads_of[i], len(combos))) for i in segment.live)
-        return Wired(tuple(mine), tuple(groups), tuple(steps), tuple(group_cuts), tuple(entry_reads), tuple(combos),
-                     live)
+        gone = tuple(segment.nodes[i].name for i, _ in group_cuts if segment.nodes[i].name in segment.gone)
+        floats = tuple(claim for node, claim in zip(segment.nodes, mine) if node.dtype == "float")
+        return Wired(floats, tuple(groups), tuple(steps), tuple(group_cuts), tuple(entry_reads), tuple(combos),
+                     live, gone)
 
     def _renamed_cut(self, state, node, base: str, claim, k: int) -> bool:
         """A cut whose claim is the counterpart's moved to block k: the counterpart's stage, renamed."""

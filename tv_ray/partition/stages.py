@@ -963,36 +963,41 @@ class SymbolicRun(StandIns, Renamed, LayerRenamed, Scheduler):
             if not self._own_cuts(state, node, claim, kind, value, reads, out):
                 self._copy_mirrors(state)
             return out, self._continued(rank, members, claim, cid, out)
-        parts = self.pending.setdefault(cid, {})
-        parts[rank] = (value, reads, made)
-        self._part_arrived(cid, members, rank, kind)
         copied = all(m in self.mirrored for m in members)
-        if self._complete(members, parts):
-            del self.pending[cid]
-            grouped = len(parts) == len(members) and rank in self.mirrors_of    # its mirrors copy the stage
-            if len(parts) < len(members):
-                self._stand_in_parts(cid, members, claim, parts)
-            reads = frozenset().union(*(parts[m][1] for m in members))
-            values = [parts[m][0] for m in members]
-            made = [parts[m][2] for m in members]
-            kinds = {_kind(v) for v in values}
-            if copied and len(kinds) > 1 and kinds & {"same", "renamed"}:
-                raise Asymmetric(f"stage {cid}: mirrored and computed parts of one all-mirrored group "
-                                 f"({', '.join(f'rank {m}: {_kind(v)}' for m, v in zip(members, values))})")
-            if copied and kinds & {"same", "renamed"}:
-                self._copy(state)
-            elif not self._layer_group(cid, members, state, node, claim, values, reads) and \
-                    not self._moved_stage(cid, members, state, node, claim, values, reads):
-                self._record_group(cid, members, state, node, claim, values, reads, [parts[m][1] for m in members],
-                                   made)
-                self._remember(members, node, claim, values)
-            if grouped:
-                self._copy_groups(state, cid, members)
+        self._add_part(state, node, claim, cid, members, (value, reads, made), kind, copied)
         if copied and isinstance(value, Mirrored):
             return Mirrored(claim.shape), None
         out = self._part(rank, members, claim, cid)
         self._mirrors_continue(state, node, members, claim, cid)
         return out, self._continued(rank, members, claim, cid, out)
+
+    def _add_part(self, state, node: Node, claim: Claim, cid: StageId, members, part: tuple, kind, copied: bool) -> None:
+        """A group member's part of a partial claim (its value, what it read, its provenance) arrived; with the last,
+        the group's stage (`copied`: every member mirrored)."""
+        parts = self.pending.setdefault(cid, {})
+        parts[state.rank] = part
+        self._part_arrived(cid, members, state.rank, kind)
+        if not self._complete(members, parts):
+            return
+        del self.pending[cid]
+        grouped = len(parts) == len(members) and state.rank in self.mirrors_of    # its mirrors copy the stage
+        if len(parts) < len(members):
+            self._stand_in_parts(cid, members, claim, parts)
+        reads = frozenset().union(*(parts[m][1] for m in members))
+        values = [parts[m][0] for m in members]
+        made = [parts[m][2] for m in members]
+        kinds = {_kind(v) for v in values}
+        if copied and len(kinds) > 1 and kinds & {"same", "renamed"}:
+            raise Asymmetric(f"stage {cid}: mirrored and computed parts of one all-mirrored group "
+                             f"({', '.join(f'rank {m}: {_kind(v)}' for m, v in zip(members, values))})")
+        if copied and kinds & {"same", "renamed"}:
+            self._copy(state)
+        elif not self._layer_group(cid, members, state, node, claim, values, reads) and \
+                not self._moved_stage(cid, members, state, node, claim, values, reads):
+            self._record_group(cid, members, state, node, claim, values, reads, [parts[m][1] for m in members], made)
+            self._remember(members, node, claim, values)
+        if grouped:
+            self._copy_groups(state, cid, members)
 
     def _input_provenance(self, claim: Claim, value) -> tuple | None:
         """A program input continues from its boundary claim's atoms (`_continuation`)."""
@@ -1141,7 +1146,7 @@ class SymbolicRun(StandIns, Renamed, LayerRenamed, Scheduler):
             if key:                          # a renaming of a stage built before: its key, no terms
                 self.templated += 1
                 self._append(cid, members, state, node, claim, key, reads)
-                self._keyed_if_plain(key)
+                self._keyed(frozenset())     # a template is kept only where its formula was not unfolded
                 return
         rhs = self.logical.contribution_of(claim.logical, claim.slices(), width) if width else None
         values = [as_dtype(self._real(v), "float") for v in values]
@@ -1156,7 +1161,7 @@ class SymbolicRun(StandIns, Renamed, LayerRenamed, Scheduler):
             rhs = [defined[idx] for idx in np.ndindex(claim.shape)]
         else:
             rhs = [rhs[idx] for idx in np.ndindex(claim.shape)]
-        nodes = collected = _size(lhs + rhs)
+        nodes = _size(lhs + rhs)
         if nodes > min(COLLECT_NODES, MAX_STAGE_NODES):
             # like terms collected: a sum of every part of a partial claim (a dp all-reduce, then a tp
             # sum) is the claimed tensor, since its last part is the tensor minus the others
@@ -1171,16 +1176,14 @@ class SymbolicRun(StandIns, Renamed, LayerRenamed, Scheduler):
             self.unformed[key] = why
             self._append(cid, members, state, node, claim, key, reads)
             return
-        unfolded = expand(lhs, rhs, self.logical)
-        key = formula_key(*unfolded, self.logical.order)
+        *formula, unfolded = expand(lhs, rhs, self.logical)
+        key = formula_key(*formula, self.logical.order)
         if template is not None:
             # unfolding read the logical graph beyond the descriptor: such a template is built every time
-            self.templates.built[template] = key if unfolded[0] is lhs and unfolded[1] is rhs else ""
-        self.formulas.setdefault(key, unfolded)
+            self.templates.built[template] = "" if unfolded else key
+        self.formulas.setdefault(key, tuple(formula))
         self._append(cid, members, state, node, claim, key, reads)
-        if unfolded[0] is lhs and unfolded[1] is rhs and collected == nodes:
-            self._plain_keys.add(key)       # its formula as built: τ of it has this key (`tv_ray.partition.layers`)
-        self._keyed_if_plain(key)
+        self._keyed(unfolded)
 
     def _append(self, cid, members, state, node: Node, claim: Claim, key: str, reads) -> None:
         self.obligations.append(self._obligation(cid, members, state, node, claim, key, reads))
@@ -1281,8 +1284,9 @@ def _size(terms: list[Term]) -> int:
     return len(postorder(*terms))
 
 
-def expand(lhs: list[Term], rhs: list[Term], logical: LogicalTerms) -> tuple[list[Term], list[Term]]:
-    """Unfold logical atoms of a tensor that is computed from another tensor the formula also mentions.
+def expand(lhs: list[Term], rhs: list[Term], logical: LogicalTerms) -> tuple[list[Term], list[Term], frozenset[str]]:
+    """Unfold logical atoms of a tensor that is computed from another tensor the formula also mentions; with the
+    tensors unfolded.
 
     The physical side may skip a logical intermediate (a fused op, a view the
     plan never made, a value left unclaimed): then one side reads U and the
@@ -1290,11 +1294,12 @@ def expand(lhs: list[Term], rhs: list[Term], logical: LogicalTerms) -> tuple[lis
     Replacing W's atoms by W's definition is the logical graph's own equation,
     so the obligation stays equivalent to the claim; latest tensor first.
     """
+    unfolded: set[str] = set()
     if all(a is b for a, b in zip(lhs, rhs)):
-        return lhs, rhs          # the same term (a view, a copy, a received value): nothing to unfold
+        return lhs, rhs, frozenset()    # the same term (a view, a copy, a received value): nothing to unfold
     left, right = _logical_atoms(lhs, logical), _logical_atoms(rhs, logical)
     if left == right:
-        return lhs, rhs          # the common case: both sides read the same tensors
+        return lhs, rhs, frozenset()    # the common case: both sides read the same tensors
     budget = EXPAND_GROWTH * _size(lhs + rhs) + EXPAND_SLACK
     for round_ in range(EXPAND_ROUNDS):
         if round_:
@@ -1307,12 +1312,13 @@ def expand(lhs: list[Term], rhs: list[Term], logical: LogicalTerms) -> tuple[lis
         derived = [t for t in present if (t in differ and logical.derives_from(t, present - {t}))
                    or logical.derives_from(t, differ - {t})] or list(differ)   # else: the other side inlines it
         tensor = max(derived, key=lambda t: logical.order[t])
+        unfolded.add(tensor)
         mapping = logical.unfolding(tensor, [n for n in postorder(*lhs, *rhs)
                                              if n.kind is Kind.VAR and logical.tensor_of(n) == tensor])
         memo: dict = {}
         lhs = [substitute(t, mapping, memo) for t in lhs]
         rhs = [substitute(t, mapping, memo) for t in rhs]
-    return lhs, rhs
+    return lhs, rhs, frozenset(unfolded)
 
 
 __all__ = ["Obligation", "Partition", "LogicalTerms", "SymbolicRun", "fingerprint", "expand", "atoms", "Mirrored"]

@@ -263,7 +263,7 @@ class StandIns:
             k, kind = self.mirrors.block[m], kinds.get(rep)
             held = kind[k] if isinstance(kind, dict) else parts[rep][0] if kind is CONSTANT else \
                 Mirrored(claim.shape, kind is SAME)
-            parts[m] = (held, frozenset(self.mirrors.rename_id(c, k) for c in parts[rep][1]), None)
+            parts[m] = (held, self.mirrors.rename_ids(parts[rep][1], k), None)
 
     def _mirrors_continue(self, state, node: Node, members, claim: Claim, cid: StageId) -> None:
         """After a partial claim over a group across dp blocks, each mirror continues from its part: its block's
