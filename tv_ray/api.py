@@ -101,18 +101,35 @@ def reference(plan: Plan, captured: Graph | None = None) -> dict:
 
         reference(plan)   # {'logical_sha256': '3f…', 'model': 'llama3-tiny', 'recipe': {...}, 'capture': 'matches'}
     """
+    if not _recaptured(plan.model, plan.recipe):
+        return _reference(plan, None)
+    from tv_ray.certificate.write import logical_digest
+    return _reference(plan, logical_digest(captured) if captured is not None else
+                      _capture_digest(plan.model, plan.recipe, plan.dims))
+
+
+def _recaptured(model: str | None, recipe: Mapping | None) -> bool:
+    """Is a plan of `model` with `recipe` compared with a fresh capture (a built-in model, its recipe known)?"""
+    return recipe is not None and model in list_models()
+
+
+def _reference(plan: Plan, captured: str | None) -> dict:
+    """`reference` of a plan whose model captured afresh has the logical digest `captured` (None: none made)."""
     from tv_ray.certificate.write import logical_digest
     out = {"logical_sha256": logical_digest(plan.logical), "model": plan.model, "recipe": plan.recipe,
            "capture": None}
-    if plan.recipe is None or plan.model not in list_models():
-        return out
-    if captured is None:
-        spec = get(plan.model)
-        dims = {d: plan.dims[d] for d in spec.dim_names if d in plan.dims}
-        captured = capture_step(plan.model, optim=plan.recipe["optim"], clip=plan.recipe["clip"],
-                                tied=plan.recipe["tied"], dims=dims)
-    out["capture"] = "matches" if logical_digest(captured) == out["logical_sha256"] else "differs"
+    if captured is not None:
+        out["capture"] = "matches" if captured == out["logical_sha256"] else "differs"
     return out
+
+
+def _capture_digest(model: str, recipe: Mapping, dims: Mapping[str, int]) -> str:
+    """The logical digest of a fresh capture of built-in `model` with `recipe`, at the plan's `dims`."""
+    from tv_ray.certificate.write import logical_digest
+    spec = get(model)
+    dims = {d: dims[d] for d in spec.dim_names if d in dims}
+    return logical_digest(capture_step(model, optim=recipe["optim"], clip=recipe["clip"], tied=recipe["tied"],
+                                       dims=dims))
 
 
 def _reference_or_failure(plan: Plan, captured: Graph | None = None) -> dict:
@@ -120,43 +137,63 @@ def _reference_or_failure(plan: Plan, captured: Graph | None = None) -> dict:
     try:
         return reference(plan, captured)
     except TvRayError as err:
-        return {**reference(replace(plan, recipe=None)), "capture": f"failed: {err}"}
+        return _failed(plan, err)
+
+
+def _failed(plan: Plan, err: Exception) -> dict:
+    return {**_reference(plan, None), "capture": f"failed: {err}"}
 
 
 class _ForkedReference:
-    """`reference(plan)` made in a forked process from now on, while the caller goes on: its fresh capture of the
-    model (17 s at llama3-70b, one core) runs beside the plan's claims, reduction and mirrors (one core) instead of
-    after the whole verification. `result()` waits for it; a process that died without answering is made again
-    here. (Forked: the child inherits the plan, and keeps the collector off, so it does not touch — and copy —
-    the parent's heap.)"""
+    """The fresh capture of a built-in model (`_capture_digest`) made in a forked process from now on, while the
+    caller goes on: 17 s at llama3-70b on one core, beside the reading of the plan and its claims, reduction and
+    mirrors (one core) instead of after the whole verification. Begun from a plan file's header (`Plan.header`)
+    before the plan is read (`_read_plan` stops it where the plan read in full names another model, recipe or dims);
+    `result(plan)` is the plan's `reference` with it — made again here where the process died without answering.
+    (Forked: the child keeps the collector off, so it does not touch — and copy — the parent's heap.)"""
 
-    def __init__(self, plan: Plan):
+    def __init__(self, model: str, recipe: Mapping, dims: Mapping[str, int]):
         ctx = multiprocessing.get_context("fork")
-        self._plan = plan
+        self.made_for = (model, dict(recipe), dict(dims))
         self._answer, sender = ctx.Pipe(duplex=False)
-        self._process = ctx.Process(target=_send_reference, args=(plan, sender), daemon=True)
+        self._process = ctx.Process(target=_send_capture, args=(self.made_for, sender), daemon=True)
         self._process.start()
         sender.close()
 
-    def result(self) -> dict:
+    @staticmethod
+    def of(model: str | None, recipe: Mapping | None, dims: Mapping[str, int] | None) -> "_ForkedReference | None":
+        """One begun where the model is captured afresh and this process may have children (not a daemonic one)."""
+        if not _recaptured(model, recipe) or dims is None or multiprocessing.current_process().daemon:
+            return None
+        return _ForkedReference(model, recipe, dims)
+
+    def result(self, plan: Plan) -> dict:
         try:
-            return self._answer.recv()
+            answer = self._answer.recv()
         except EOFError:
-            return _reference_or_failure(self._plan)
+            answer = None
         finally:
-            self._process.join()
-            self._answer.close()
+            self.stop()
+        if answer is None:
+            return _reference_or_failure(plan)
+        failed, said = answer
+        return _failed(plan, said) if failed else _reference(plan, said)
 
     def stop(self) -> None:
-        """Not needed after all (the verification failed)."""
-        self._process.terminate()
+        """Not needed (any more): the verification failed, or the plan is not what the header said."""
+        if self._process.is_alive():
+            self._process.terminate()
         self._process.join()
         self._answer.close()
 
 
-def _send_reference(plan: Plan, sender) -> None:
+def _send_capture(made_for: tuple, sender) -> None:
     gc.disable()
-    sender.send(_reference_or_failure(plan))
+    try:
+        answer = (False, _capture_digest(*made_for))
+    except TvRayError as err:
+        answer = (True, str(err))
+    sender.send(answer)
     sender.close()
 
 
@@ -245,7 +282,7 @@ def verify(model_or_plan=None, parallel: str | None = None, *, optim: str = RECI
     settings = {"solvers": list(solvers), "timeout_s": timeout, "seed": seed, "symmetry": symmetry, "shards": shards,
                 "templates": templates}
     saved = Checkpoint(checkpoint) if checkpoint is not None else None
-    plan_path, captured = None, None
+    plan_path, captured, forked = None, None, None
     if resume:
         if saved is None or model_or_plan is not None:
             raise ParallelConfigError("resume continues the run in checkpoint=OUT: give that, and no plan or model")
@@ -265,7 +302,7 @@ def verify(model_or_plan=None, parallel: str | None = None, *, optim: str = RECI
                 plan = model_or_plan
             else:
                 plan_path = str(Path(model_or_plan).resolve())
-                plan = Plan.load(model_or_plan)
+                plan, forked = _read_plan(model_or_plan)
         else:
             if parallel is None:
                 raise ParallelConfigError("verify a model by name needs parallel=..., e.g. 'dp=2,tp=2'")
@@ -274,29 +311,45 @@ def verify(model_or_plan=None, parallel: str | None = None, *, optim: str = RECI
             captured = capture_step(model_or_plan, optim=optim, clip=clip, tied=tied, dims=dims)
             plan = parallelize(captured, parallel, model=model_or_plan, dims=dims, sp=sp, zero=zero,
                                recipe={"optim": optim, "clip": clip, "tied": tied})
-    if saved is not None and not resume:
-        saved.start(plan, settings, source=plan_path)
-    # a plan to capture the model for, again: begun now, beside the verification (`_ForkedReference`), unless
-    # this process may not have children (a daemonic one)
-    forked = _ForkedReference(plan) if captured is None and plan.recipe is not None and \
-        plan.model in list_models() and not multiprocessing.current_process().daemon else None
-    executor = executor or executor_for(engine, jobs, address)
-    if hasattr(executor, "connect"):
-        _note(progress, f"connecting to Ray ({executor.address or 'a new local Ray on this machine'}) …")
     try:
+        if saved is not None and not resume:
+            saved.start(plan, settings, source=plan_path)
+        if forked is None and captured is None:   # the model captured again, beside the verification
+            forked = _ForkedReference.of(plan.model, plan.recipe, plan.dims)
+        executor = executor or executor_for(engine, jobs, address)
         if hasattr(executor, "connect"):
-            executor.connect()
-        outcome = verify_plan(plan, budget=budget, executor=executor, progress=progress, seed=settings["seed"],
-                              symmetry=settings["symmetry"], templates=settings.get("templates", True),
-                              checkpoint=saved, shards=settings.get("shards"))
+            _note(progress, f"connecting to Ray ({executor.address or 'a new local Ray on this machine'}) …")
+        try:
+            if hasattr(executor, "connect"):
+                executor.connect()
+            outcome = verify_plan(plan, budget=budget, executor=executor, progress=progress, seed=settings["seed"],
+                                  symmetry=settings["symmetry"], templates=settings.get("templates", True),
+                                  checkpoint=saved, shards=settings.get("shards"))
+        finally:
+            executor.close()
     except BaseException:
         if forked is not None:
             forked.stop()
         raise
-    finally:
-        executor.close()
-    ref = forked.result() if forked is not None else _reference_or_failure(plan, captured)
+    ref = forked.result(plan) if forked is not None else _reference_or_failure(plan, captured)
     return Result(outcome, diagnose(outcome, ref), settings, plan_path, ref)
+
+
+def _read_plan(path) -> tuple[Plan, _ForkedReference | None]:
+    """The plan file read, and the fresh capture of its model begun from the file's header (`Plan.header`) while it
+    is read — stopped where the read fails or the plan read in full is not what the header said."""
+    head = Plan.header(path)
+    forked = _ForkedReference.of(head.get("model"), head.get("recipe"), head.get("dims"))
+    try:
+        plan = Plan.load(path)
+    except BaseException:
+        if forked is not None:
+            forked.stop()
+        raise
+    if forked is not None and forked.made_for != (plan.model, plan.recipe, dict(plan.dims)):
+        forked.stop()
+        forked = None
+    return plan, forked
 
 
 def _note(progress: bool | None, text: str) -> None:

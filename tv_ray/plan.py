@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import io
+import itertools
 import json
 import shutil
 import string
@@ -63,6 +64,7 @@ GZIP_LEVEL = 6          # llama3-8b dp=16,tp=8,pp=4,mb=32: see README "Benchmark
 _FIELDS = ("format", "model", "dims", "mesh", "microbatches", "schedule", "logical", "programs", "ranks",
            "lineage", "interior", "recipe")
 _OPTIONAL = {"microbatches": 1, "schedule": "none", "interior": [], "recipe": None}
+_HEAD = ("format", "model", "dims", "mesh", "microbatches", "schedule", "recipe")     # written first (`Plan.header`)
 RECIPE_FIELDS = ("optim", "clip", "tied", "parallel")
 
 
@@ -383,12 +385,10 @@ class Plan:
     # -- JSON ----------------------------------------------------------------------------
     def to_json(self) -> dict:
         with gc_paused():
-            return {"format": self.format, "model": self.model, "dims": dict(self.dims), "mesh": dict(self.mesh),
-                    "microbatches": self.microbatches, "schedule": self.schedule,
-                    "logical": self.logical.to_json(),
+            return {**self._head_json(), "logical": self.logical.to_json(),
                     "programs": {name: graph.to_json() for name, graph in self.programs.items()},
                     "ranks": self.ranks.to_json(), "lineage": [e.to_json() for e in self.lineage],
-                    **self._optional_json()}
+                    **self._interior_json()}
 
     @staticmethod
     def from_json(obj: Any, check: bool = True) -> "Plan":
@@ -449,18 +449,43 @@ class Plan:
             interior = _written(self.interior, compact(
                 self.interior, self.microbatches, lambda e: (e.tensor, e.where),
                 lambda e, k: e.renamed(k, self.microbatches), lambda at: at), Lineage.to_json)
-        optional = self._optional_json(interior)
-        return {"format": self.format, "model": self.model, "dims": dict(self.dims), "mesh": dict(self.mesh),
-                "microbatches": self.microbatches, "schedule": self.schedule, "logical": self.logical.to_json,
+        return {**self._head_json(), "logical": self.logical.to_json,
                 "programs": {name: program(graph) for name, graph in self.programs.items()},
-                "ranks": self.ranks.to_json(), "lineage": [e.to_json() for e in self.lineage], **optional}
+                "ranks": self.ranks.to_json(), "lineage": [e.to_json() for e in self.lineage],
+                **self._interior_json(interior)}
 
-    def _optional_json(self, interior: list | None = None) -> dict:
-        """The optional fields' JSON (`interior`: the intermediate lineage's, if made already)."""
-        if interior is None and self.interior:
-            interior = [e.to_json() for e in self.interior]
-        out = {"interior": interior} if self.interior else {}
-        return out | ({"recipe": dict(self.recipe)} if self.recipe is not None else {})
+    def _head_json(self) -> dict:
+        """The fields written first, one line each, before the logical graph: what `header` reads."""
+        head = {"format": self.format, "model": self.model, "dims": dict(self.dims), "mesh": dict(self.mesh),
+                "microbatches": self.microbatches, "schedule": self.schedule}
+        return head | ({"recipe": dict(self.recipe)} if self.recipe is not None else {})
+
+    def _interior_json(self, interior: list | None = None) -> dict:
+        """The intermediate lineage's JSON field, if the plan has any (`interior`: its JSON, if made already)."""
+        if not self.interior:
+            return {}
+        return {"interior": interior if interior is not None else [e.to_json() for e in self.interior]}
+
+    @staticmethod
+    def header(path: str | Path) -> dict:
+        """The fields a plan file writes before its logical graph (format, model, dims, mesh, microbatches,
+        schedule, and the recipe where there is one), read without the rest of the file: what a fresh capture of
+        the model needs, begun while the plan is read. {} where the file does not start so (an older or
+        hand-written plan, not a plan at all); the plan read in full is the one to trust, so callers compare."""
+        try:
+            with open(path, "rb") as raw:
+                gzipped = raw.read(2) == GZIP_MAGIC
+            lines = []
+            with (gzip.open(path, "rt", encoding="utf-8") if gzipped else open(path, encoding="utf-8")) as text:
+                if text.readline() != "{\n":
+                    return {}
+                for line in itertools.islice(text, len(_HEAD) + 1):      # the head, then the logical graph
+                    if line.startswith(' "logical": '):
+                        return json.loads("{" + "".join(lines).rstrip().rstrip(",") + "}")
+                    lines.append(line)
+        except (OSError, EOFError, zlib.error, UnicodeDecodeError, json.JSONDecodeError):
+            return {}
+        return {}
 
 
 def gzip_writer(raw) -> gzip.GzipFile:

@@ -15,6 +15,7 @@ from tv_ray.certificate import check_certificate
 from tv_ray.cli import main
 from tv_ray.errors import CertificateError
 from tv_ray.ir import Graph, Node
+from tv_ray.plan import Plan
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +101,7 @@ def test_the_fresh_capture_runs_in_a_forked_process_beside_the_verification_and_
     result = api.verify(plan, engine="local", progress=False)
     pids = (tmp_path / "pids").read_text().split()
     assert result.proved and result.reference["capture"] == "matches" and pids and str(os.getpid()) not in pids
-    monkeypatch.setattr(api, "_send_reference", lambda plan, sender: os._exit(3))     # dies without answering
+    monkeypatch.setattr(api, "_send_capture", lambda made_for, sender: os._exit(3))     # dies without answering
     (tmp_path / "pids").unlink()
     result = api.verify(plan, engine="local", progress=False)
     assert result.reference["capture"] == "matches" and (tmp_path / "pids").read_text().split() == [str(os.getpid())]
@@ -110,6 +111,35 @@ def test_the_fresh_capture_runs_in_a_forked_process_beside_the_verification_and_
     (tmp_path / "pids").unlink()         # a daemonic process may not have children: captured here
     result = api.verify(plan, engine="local", progress=False)
     assert result.reference["capture"] == "matches" and (tmp_path / "pids").read_text().split() == [str(os.getpid())]
+
+
+def test_the_fresh_capture_begins_from_the_plan_files_header_and_follows_the_plan_read_in_full(plan, tmp_path,
+                                                                                                monkeypatch):
+    """A plan file's header (`Plan.header`) names the model, dims and recipe before the logical graph, so the capture
+    begins before the plan is read. Where the plan read in full says otherwise (a second "recipe" field, the one JSON
+    readers keep), the header's capture is stopped and the plan's made: the reference follows the plan."""
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert Plan.header(path) == {"format": plan.format, "model": "llama3-tiny", "dims": dict(plan.dims),
+                                 "mesh": dict(plan.mesh), "microbatches": 1, "schedule": plan.schedule,
+                                 "recipe": plan.recipe}
+    begun = []
+    made = api._ForkedReference.__init__
+
+    def spy(self, model, recipe, dims):
+        begun.append(recipe["optim"])
+        made(self, model, recipe, dims)
+    monkeypatch.setattr(api._ForkedReference, "__init__", spy)
+    result = api.verify(str(path), engine="local", progress=False)
+    assert result.reference["capture"] == "matches" and begun == ["sgd"]
+    text = path.read_text()
+    head = text.index(' "recipe": ')
+    lying = text[:head] + text[head:].replace('"optim": "sgd"', '"optim": "adamw"', 1)
+    path.write_text(lying.rstrip()[:-1] + f',\n "recipe": {json.dumps(plan.recipe)}\n}}\n')
+    assert Plan.header(path)["recipe"]["optim"] == "adamw" and Plan.load(path).recipe == plan.recipe
+    begun.clear()
+    result = api.verify(str(path), engine="local", progress=False)
+    assert result.reference["capture"] == "matches" and begun == ["adamw", "sgd"]
 
 
 def test_a_plan_without_a_recipe_is_proved_against_its_own_logical_graph(plan):

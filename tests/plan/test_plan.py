@@ -111,3 +111,21 @@ def test_a_mesh_of_8192_ranks_validates_per_program_not_per_rank():
     assert plan.coords(8191) == {"pp": 15, "dp": 255, "tp": 1}
     assert plan.group(8191, ["tp"]) == [8190, 8191]
     assert plan.program_of(8191) == "tp"
+
+
+def test_the_header_is_the_fields_before_the_logical_graph_and_nothing_else_is_read_as_one(tmp_path):
+    """`Plan.header`: format, model, dims, mesh, microbatches and schedule (and a recipe) of a saved plan, plain or
+    compressed; {} for a file that does not start so — JSON written in another order, a broken file, no file."""
+    plan = Plan.from_json(pp_plan())
+    plain, packed = tmp_path / "plan.json", tmp_path / "plan.json.gz"
+    plan.save(plain)
+    plan.save(packed)
+    head = {key: value for key, value in plan.to_json().items() if key not in
+            ("logical", "programs", "ranks", "lineage", "interior")}
+    assert Plan.header(plain) == Plan.header(packed) == head and "dims" in head and "recipe" not in head
+    other, written = tmp_path / "other.json", plan.to_json()
+    other.write_text(json.dumps({"logical": written.pop("logical"), **written}, indent=1))   # "logical" first
+    assert Plan.header(other) == {} and Plan.load(other) == plan
+    broken = tmp_path / "broken.json.gz"
+    broken.write_bytes(packed.read_bytes()[:20])
+    assert Plan.header(broken) == {} and Plan.header(tmp_path / "missing.json") == {}

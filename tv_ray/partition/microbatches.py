@@ -349,14 +349,14 @@ class Renamed:
         take it alone — every op its counterpart's value renamed, every cut its counterpart's stage kept as a
         microbatch copy, in the same order — where what `_renamed` checks op by op and depends on k holds (the
         entries, the claims, the reads of the entries); else False."""
-        if self._runs is None or not self._movable(state.rank):
+        if self._runs is None:
             return False
         rank, env = state.rank, state.env
         ahead = self._segment_at.get(rank)
-        found = ahead.pop(state.pc, None) if ahead else None
+        found = ahead.pop(state.pc, None) if ahead else None     # segments ahead are found on movable ranks only
         if found is None:
-            run = self._program_runs(state)[0].get(state.pc)
-            if run is None:
+            run = (self._runs.get(state.name) or self._program_runs(state))[0].get(state.pc)   # most ops: no run
+            if run is None or not self._movable(rank):
                 return False
             ahead = self._segment_at.setdefault(rank, {})
             for segment, checked in self._segments(state, run):
