@@ -469,9 +469,10 @@ class Plan:
     @staticmethod
     def header(path: str | Path) -> dict:
         """The fields a plan file writes before its logical graph (format, model, dims, mesh, microbatches,
-        schedule, and the recipe where there is one), read without the rest of the file: what a fresh capture of
-        the model needs, begun while the plan is read. {} where the file does not start so (an older or
-        hand-written plan, not a plan at all); the plan read in full is the one to trust, so callers compare."""
+        schedule, and the recipe where there is one), read without the rest of the file and as the plan reads
+        them (a recipe's defaults filled in): what a fresh capture of the model needs, begun while the plan is
+        read. {} where the file does not start so (an older or hand-written plan, not a plan at all) or those
+        fields are not a plan's; the plan read in full is the one to trust, so callers compare."""
         try:
             with open(path, "rb") as raw:
                 gzipped = raw.read(2) == GZIP_MAGIC
@@ -481,11 +482,17 @@ class Plan:
                     return {}
                 for line in itertools.islice(text, len(_HEAD) + 1):      # the head, then the logical graph
                     if line.startswith(' "logical": '):
-                        return json.loads("{" + "".join(lines).rstrip().rstrip(",") + "}")
+                        head = json.loads("{" + "".join(lines).rstrip().rstrip(",") + "}")
+                        break
                     lines.append(line)
-        except (OSError, EOFError, zlib.error, UnicodeDecodeError, json.JSONDecodeError):
+                else:
+                    return {}
+            _positive_ints(head.get("dims", {}), "dims", "dimension")
+            if "recipe" in head:                # as the plan read in full has it (defaults filled in)
+                head["recipe"] = _parse_recipe(head["recipe"])
+        except (OSError, EOFError, zlib.error, UnicodeDecodeError, json.JSONDecodeError, PlanError):
             return {}
-        return {}
+        return head
 
 
 def gzip_writer(raw) -> gzip.GzipFile:

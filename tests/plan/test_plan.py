@@ -126,6 +126,12 @@ def test_the_header_is_the_fields_before_the_logical_graph_and_nothing_else_is_r
     other, written = tmp_path / "other.json", plan.to_json()
     other.write_text(json.dumps({"logical": written.pop("logical"), **written}, indent=1))   # "logical" first
     assert Plan.header(other) == {} and Plan.load(other) == plan
+    recipe = plain.read_text().replace(' "schedule": ', ' "recipe": {"optim": "sgd"},\n "schedule": ', 1)
+    plain.write_text(recipe)            # a recipe written by hand: read as the plan reads it, defaults filled in
+    assert Plan.header(plain)["recipe"] == Plan.load(plain).recipe == {"optim": "sgd", "clip": None, "tied": None,
+                                                                       "parallel": ""}
+    plain.write_text(recipe.replace('{"optim": "sgd"}', '{"optim": 3}'))
+    assert Plan.header(plain) == {}     # not a plan's: nothing begun from it (reading it in full says why)
     broken = tmp_path / "broken.json.gz"
     broken.write_bytes(packed.read_bytes()[:20])
     assert Plan.header(broken) == {} and Plan.header(tmp_path / "missing.json") == {}
