@@ -192,14 +192,18 @@ def counterparts(program: Graph) -> dict[str, str]:
 
 
 class GroupCut(NamedTuple):
-    """A partial cut of a run segment (`Renamed._taken`): its group, its counterpart's value before the cut, the id
-    of its counterpart's stage, and where its counterpart's part is kept (`_parts0`: the key, and the entry there)."""
+    """A partial cut of a run segment (`Renamed._taken`): its group, its counterpart's value before the cut, and where
+    its counterpart's part is kept (`_parts0`: the key, and the entry there — its counterpart's stage id, and part)."""
 
     members: tuple[int, ...]
     value: object
-    first: StageId
     key: tuple
     entry: tuple
+
+    @property
+    def first(self) -> StageId:
+        """The id of its counterpart's stage."""
+        return self.entry[0]
 
 
 class Wired(NamedTuple):
@@ -526,7 +530,7 @@ class Renamed:
         part = self._parts0.get(rank, {}).get(key)
         if value is None or cut is None or cut[1] is not value or part is None or part[1] is not kept[base]:
             return None
-        return claim, GroupCut(members, value, part[0], key, part)
+        return claim, GroupCut(members, value, key, part)
 
     def _wired(self, rank: int, segment: Run, taken: list) -> Wired | None:
         """What `_renamed_run` reads of a segment (its ops `taken`, `Wired`), or None where a cut reading only the

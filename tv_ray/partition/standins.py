@@ -191,7 +191,7 @@ class StandIns:
         if rep is None:
             return got
         k = self.mirrors.block[rank]
-        return frozenset(self.mirrors.rename_id(c, k) for c in got)
+        return self.mirrors.rename_ids(got, k)
 
     # -- cuts --------------------------------------------------------------------------------------
     def _mirrored_cut(self, state, node: Node, claim: Claim, kind) -> None:
@@ -215,7 +215,7 @@ class StandIns:
             mine = self._claim(m, node.name)
             self._record(StageId.group((m,), node.name), (m,), self.ranks[m], node, mine,
                          [value if kind is CONSTANT else kind[k]],
-                         frozenset(self.mirrors.rename_id(c, k) for c in reads))
+                         self.mirrors.rename_ids(reads, k))
             own[k] = self._continuation(m, mine)
         self._kinds[state.rank, node.name] = CONSTANT if constant(terms_of(out)) else own
         return True

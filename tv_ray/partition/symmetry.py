@@ -43,6 +43,8 @@ from tv_ray.ir import Graph, Node, Op
 from tv_ray.ir.ops import ELEMENTWISE, RANK_DEPENDENT
 from tv_ray.partition.claims import Claim
 from tv_ray.partition.ids import Part, StageId
+
+_MADE = tuple.__new__
 from tv_ray.plan import Plan
 from tv_ray.semantics.shapes import norm_dim
 from tv_ray.semantics.table import instantiate_attrs, instantiate_shape
@@ -336,7 +338,7 @@ class Mirrors:
     notes: list[str] = field(default_factory=list)
     image: dict[int, dict[int, int]] = field(default_factory=dict)   # block k -> the rank swap of dp 0 and k
     _of: dict[int, tuple[int, ...]] | None = field(default=None, repr=False, compare=False)
-    _groups: dict = field(default_factory=dict, repr=False, compare=False)   # (ranks, k) -> `rename_id`'s ranks
+    _groups: dict = field(default_factory=dict, repr=False, compare=False)   # (group's ranks, k) -> dp k's
 
     def of(self, rep: int) -> tuple[int, ...]:
         """The mirrors of representative `rep`, in rank order (none for any other rank)."""
@@ -362,29 +364,22 @@ class Mirrors:
 
     def rename_id(self, cid: StageId, k: int) -> StageId:
         """A stage or claim id of dp 0's slots as dp k's (a group across dp ranks 0 and k is the same group)."""
-        if len(cid.ranks) == 1:     # most ids: one rank's
-            return StageId(cid.kind, (self.image[k].get(cid.ranks[0], cid.ranks[0]),), cid.tensor)
-        if len({self.block[r] for r in cid.ranks if self.block[r] in (0, k)}) > 1:
-            return cid
-        return cid.with_ranks(tuple(self.image[k].get(r, r) for r in cid.ranks))
+        ranks = cid.ranks
+        if len(ranks) == 1:     # most ids: one rank's (made as a tuple is: a weight gradient's reads, each mirror)
+            moved = self.image[k].get(ranks[0])
+            return cid if moved is None else _MADE(StageId, (cid.kind, (moved,), cid.tensor))
+        moved = self._groups.get((ranks, k))
+        if moved is None:
+            image = self.image[k]
+            same = len({self.block[r] for r in ranks if self.block[r] in (0, k)}) > 1
+            moved = self._groups[ranks, k] = ranks if same else tuple(image.get(r, r) for r in ranks)
+        return cid if moved == ranks else _MADE(StageId, (cid.kind, moved, cid.tensor))
 
     def rename_ids(self, ids, k: int) -> frozenset[StageId]:
-        """`rename_id` of each id, at once: a mirror's part's reads (a weight gradient's, accumulated over the
-        microbatches, ~70 ids for each of dp=16's 15 mirrors)."""
-        image, made, groups = self.image[k], tuple.__new__, self._groups
-        out = []
-        for cid in ids:
-            ranks = cid.ranks
-            if len(ranks) != 1:
-                moved = groups.get((ranks, k))
-                if moved is None:
-                    moved = groups[ranks, k] = self.rename_id(cid, k).ranks
-                out.append(cid if moved == ranks else made(StageId, (cid.kind, moved, cid.tensor)))
-            elif ranks[0] in image:
-                out.append(made(StageId, (cid.kind, (image[ranks[0]],), cid.tensor)))
-            else:
-                out.append(cid)
-        return frozenset(out)
+        """`rename_id` of each id: a mirror's reads (a weight gradient's, accumulated over the microbatches, ~70 ids
+        for each of dp=16's 15 mirrors)."""
+        rename = self.rename_id
+        return frozenset([rename(cid, k) for cid in ids])
 
     def reads(self, terms) -> tuple[bool, bool]:
         """(Do the terms name a rank's or a group's own variables — free parts, opaque values —, could a block
