@@ -55,7 +55,7 @@ class Scheduler:
         self.plan, self.dims = plan, dims
         self.order: list[tuple[int, str]] | None = [] if keep else None
         names, ids = plan.rank_programs()
-        self.frees = {name: _frees(plan.programs[name], keep) for name in set(names[i] for i in ids)}
+        self.frees = _Frees(plan, keep)
         self.ranks = [_Rank(r, names[ids[r]], plan.programs[names[ids[r]]], rank_inputs[r],
                             Context(plan.axis_sizes, plan.coords(r))) for r in range(plan.num_ranks)]
         self.active = self.ranks        # the ranks `run` steps (a symbolic run may own a subset)
@@ -225,6 +225,19 @@ class Scheduler:
             waits.append(f"{self.plan.describe(state.rank)} waits at {state.where()} ({what})")
         unread = [f"rank {src}→{dst} tag {tag} ×{len(q)}" for (src, dst, tag), q in sorted(self.mailbox.items()) if q]
         return ("deadlock: " + "; ".join(waits) + (f"; sent but never received: {', '.join(unread)}" if unread else ""))
+
+
+class _Frees(dict):
+    """Program name -> `_frees` of it, found when first asked (a run stepping some ranks asks for their
+    programs' alone: a pipeline shard's of a frontier plan, one of its four 165k-op programs)."""
+
+    def __init__(self, plan: Plan, keep: bool):
+        super().__init__()
+        self.plan, self.keep = plan, keep
+
+    def __missing__(self, name: str) -> list[list[str]]:
+        found = self[name] = _frees(self.plan.programs[name], self.keep)
+        return found
 
 
 def _frees(program: Graph, keep: bool = False) -> list[list[str]]:

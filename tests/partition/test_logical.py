@@ -13,14 +13,13 @@ from tv_ray.reduce import reduce_plan
 
 @pytest.mark.parametrize("model", ["llama3-tiny", "gpt2-tiny"])
 @pytest.mark.parametrize("blocks", [False, True], ids=["whole batch", "blocks"])
-def test_a_definition_left_for_later_is_the_one_built_at_once(model, blocks, monkeypatch):
+def test_a_definition_left_for_later_is_the_one_built_at_once(model, blocks):
     graph = api.capture_step(model, optim="adamw", clip=1.0)
     plan = api.parallelize(graph, "dp=2", model=model)
     dims = reduce_plan(plan).reduced
     cut = Blocks.of(graph, dims, 2) if blocks else None
     later = LogicalTerms.build(graph, dims, cut)
-    monkeypatch.setattr(LogicalTerms, "_deferrable", lambda self, node: False)
-    now = LogicalTerms.build(graph, dims, cut)
+    now = LogicalTerms.build(graph, dims, cut, eager=True)
     assert len(later._later) > 0.3 * len(graph.nodes)          # the optimizer's and most elementwise ops
     assert now._later == set()
     deferred = sorted(later._later)
@@ -52,10 +51,33 @@ def test_an_op_that_may_give_a_constant_is_built_at_once():
              Node.make("sum", Op.ADD, ("zero", "twice"), {}, (2,))]
     graph = Graph(inputs=(x,), nodes=tuple(nodes), outputs=(("out", "sum"),))
     lt = LogicalTerms.build(graph, {})
-    assert lt._later == {"twice"}
+    assert lt._later == {"x", "twice"}
     assert all(v.kind is Kind.CONST for v in lt.value["zero"])         # the zeros stay visible downstream
-    assert "sum" not in lt._later                                       # it reads a tensor of constants
+    assert "sum" not in lt._later and "sum" in lt.definition            # it reads a tensor of constants
+    assert "sum" in lt._unmade and lt.atomic("sum")     # built: no constant in it, so its atoms made when asked
     assert logical_module.NEVER_CONSTANT >= {Op.MUL, Op.ADD} and Op.POW not in logical_module.NEVER_CONSTANT
+
+
+def test_a_sum_of_atoms_is_left_for_later_unless_it_sums_nothing():
+    """A sum (or mean) of distinct variables over a nonempty region is no constant: left for later, its value
+    its atoms; a sum over an empty dim is the constant 0 and is built at once."""
+    from tv_ray.ir import Expr, Graph, Node, Op, TensorSpec
+    from tv_ray.terms import Kind
+    x = TensorSpec("x", (Expr.of(2), Expr.of(3)), "float")
+    e = TensorSpec("e", (Expr.of(2), Expr.of(0)), "float")
+    nodes = [Node.make("rows", Op.SUM, ("x",), {"dims": [1], "keepdim": False}, (2,)),
+             Node.make("all", Op.MEAN, ("x",), {"dims": [], "keepdim": True}, (1, 1)),
+             Node.make("none", Op.SUM, ("e",), {"dims": [-1], "keepdim": False}, (2,))]
+    graph = Graph(inputs=(x, e), nodes=tuple(nodes), outputs=(("a", "rows"), ("b", "all"), ("c", "none")))
+    lt = LogicalTerms.build(graph, {})
+    assert {"rows", "all"} <= lt._later and "none" not in lt._later
+    assert all(v.kind is Kind.CONST for v in lt.value["none"])
+    eager = LogicalTerms.build(graph, {}, eager=True)
+    for name in ("rows", "all"):
+        whole = tuple(slice(0, n) for n in eager.definition[name].shape)
+        assert all(a is b for a, b in zip(lt.definition_at(name, whole).reshape(-1),
+                                          eager.definition[name].reshape(-1)))
+        assert all(a is b for a, b in zip(lt.full(name).reshape(-1), eager.value[name].reshape(-1)))
 
 
 def test_a_view_of_atoms_is_left_for_later_and_its_definition_must_fit_its_atoms():
@@ -70,7 +92,7 @@ def test_a_view_of_atoms_is_left_for_later_and_its_definition_must_fit_its_atoms
              Node.make("wrong", Op.TRANSPOSE, ("x",), {"dim0": 0, "dim1": 1}, (2, 3))]
     graph = Graph(inputs=(x,), nodes=tuple(nodes), outputs=(("out", "copy"), ("bad", "wrong")))
     lt = LogicalTerms.build(graph, {})
-    assert lt._later == {"xt", "copy", "wrong"} and set(lt._unmade) == {"xt", "copy", "wrong"}
+    assert lt._later == set(lt._unmade) == {"x", "xt", "copy", "wrong"}
     assert lt.definition_at("copy", (slice(0, 3), slice(0, 2))).shape == (3, 2)
     with pytest.raises(SymbolicError, match=r"^node wrong = transpose\(\.\.\.\): symbolic result has shape \(3, 2\), "
                                             r"the node states \(2, 3\)$"):

@@ -17,13 +17,14 @@ part: it has a `contribution` too. Block-0 parts are built when a formula
 asks for one (llama3-405b at 16 layers: 18 of 407 ever are).
 
 A value is its atoms except where the definition is a constant, so an op
-that gives no constant on variables (`NEVER_CONSTANT`, on tensors that are
-their atoms throughout) gets its atoms without its definition being built;
+that gives no constant on variables (`NEVER_CONSTANT`, `SUMS`, on tensors
+that are their atoms throughout) gets its atoms without its definition being built;
 that is built when a formula asks for it (`_define`). Most of the optimizer's
 tensors are such, and most formulas are never built (stage templates). Nor
-are such a tensor's atoms made up front: a slice asked for (a claim's
-continuation) is made alone, and the whole tensor only where something reads
-it whole (`full`).
+are such a tensor's atoms made up front — a float input's, or a tensor's
+whose definition was built and holds no constant: a slice asked for (a
+claim's continuation) is made alone, and the whole tensor only where
+something reads it whole (`full`).
 """
 from __future__ import annotations
 
@@ -45,6 +46,8 @@ SHAPE_ONLY = frozenset({Op.FULL_LIKE})      # reads only its input's shape
 # and drop neutral elements but never cancel variables (`tv_ray.terms.term`), and apply no rule to a variable;
 # a product of matrices of variables is a sum of products of variables over a nonempty inner dimension
 NEVER_CONSTANT = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.NEG, Op.SQRT, Op.RSQRT, Op.MM, Op.BMM})
+# likewise a sum (or a mean: a sum times 1/n) of distinct variables over a nonempty region
+SUMS = frozenset({Op.SUM, Op.MEAN})
 SCALARS = ("other", "alpha")
 MOVES_ELEMENTS = VIEWS | {Op.CLONE}         # each output element is one input element
 INFINITE = frozenset({INF, NEG_INF})
@@ -81,7 +84,11 @@ class LogicalTerms:
     _summed: dict[tuple, np.ndarray] = field(default_factory=dict)    # blocks [0, width)'s, by slice
 
     @staticmethod
-    def build(graph: Graph, dims: dict[str, int], blocks: Blocks | None = None) -> "LogicalTerms":
+    def build(graph: Graph, dims: dict[str, int], blocks: Blocks | None = None, eager: bool = False) -> "LogicalTerms":
+        """`eager`: every value and definition made now — what those made when asked must equal (the tests'
+        reference); else a tensor that is its atoms throughout (most weights, most of the optimizer's) has its
+        atoms made when asked (`full`, `value_at`), its definition too where that needs no other tensor's
+        (`_define`)."""
         lt = LogicalTerms(graph, dims, nodes={n.name: n for n in graph.nodes}, blocks=blocks)
         small = blocks.small if blocks else dims
         varying = lt._varying     # floats computed from float inputs: these get atoms
@@ -90,14 +97,17 @@ class LogicalTerms:
             lt.order[spec.name] = i
             if spec.dtype == "float":
                 varying.add(spec.name)
-                lt.value[spec.name] = lt._atoms(spec.name, shape)
-            else:
-                high = spec.high.eval(dims) if hasattr(spec.high, "eval") else int(spec.high or 2)
-                arr = np.empty(shape, dtype=object)
-                for idx in np.ndindex(shape):
-                    arr[idx] = choice(Atom(spec.name, idx), high)
-                lt.value[spec.name] = arr
-            lt.definition[spec.name] = lt.value[spec.name]
+                lt._of_atoms(spec.name, tuple(shape), eager)
+                if eager:
+                    lt.definition[spec.name] = lt.value[spec.name]
+                else:
+                    lt._later.add(spec.name)
+                continue
+            high = spec.high.eval(dims) if hasattr(spec.high, "eval") else int(spec.high or 2)
+            arr = np.empty(shape, dtype=object)
+            for idx in np.ndindex(shape):
+                arr[idx] = choice(Atom(spec.name, idx), high)
+            lt.value[spec.name] = lt.definition[spec.name] = arr
         for node in graph.nodes:
             lt.order[node.name] = len(lt.order)
             varies = node.dtype == "float" and node.op not in SHAPE_ONLY and any(a in varying for a in node.args)
@@ -109,20 +119,32 @@ class LogicalTerms:
             if summed:
                 lt.contributions.add(node.name)
             if gathers:
-                if node.name in blocks.sums and varies:
-                    lt.value[node.name] = lt._atoms(node.name, instantiate_shape(node.shape, dims))
-                    continue             # its definition is built when asked (`_whole_definition`)
+                if node.name in blocks.sums and varies:     # its definition built when asked (`_whole_definition`)
+                    lt._of_atoms(node.name, tuple(instantiate_shape(node.shape, dims)), eager)
+                    continue
                 d = eval_symbolic(node, [lt.whole(a) for a in node.args], dims)
-            elif varies and lt._deferrable(node):
-                lt._unmade[node.name] = tuple(instantiate_shape(node.shape, lt._dims_of(node.name)))
-                lt._atomic.add(node.name)
+            elif varies and not eager and lt._deferrable(node):
+                lt._of_atoms(node.name, tuple(instantiate_shape(node.shape, lt._dims_of(node.name))), eager)
                 lt._later.add(node.name)
                 continue
             else:
                 d = eval_symbolic(node, [lt.full(a) for a in node.args], lt._dims_of(node.name))
             lt.definition[node.name] = d
-            lt.value[node.name] = lt._atoms(node.name, d.shape, d) if varies else d
+            if not varies:
+                lt.value[node.name] = d
+            elif _constants_in(d):
+                lt.value[node.name] = _atoms_but_constants(node.name, d)
+            else:
+                lt._of_atoms(node.name, d.shape, eager)
         return lt
+
+    def _of_atoms(self, name: str, shape: tuple[int, ...], eager: bool) -> None:
+        """A tensor that is its atoms throughout: made now (`eager`) or when asked (`full`, `value_at`)."""
+        self._atomic.add(name)
+        if eager:
+            self.value[name] = atoms(name, shape)
+        else:
+            self._unmade[name] = shape
 
     def _dims_of(self, name: str) -> dict[str, int]:
         """The dims a tensor is built at: one block's, for a tensor with samples."""
@@ -131,13 +153,16 @@ class LogicalTerms:
     def _deferrable(self, node: Node) -> bool:
         """Is the definition of `node` no constant anywhere, so its value is its atoms without building it? On
         tensors that are their atoms throughout, no samples gathered: an op that moves elements (a view, a
-        copy: each element is an atom), or an op of `NEVER_CONSTANT` with nonzero scalars. Built when asked
-        (`_define`). (Were it wrong, atoms for a constant would only weaken what follows: a proof for every
-        value of an atom holds for the constant.)"""
+        copy: each element is an atom), an op of `NEVER_CONSTANT` with nonzero scalars, or one of `SUMS`. Built
+        when asked (`_define`). (Were it wrong, atoms for a constant would only weaken what follows: a proof for
+        every value of an atom holds for the constant.)"""
         if not node.args or not all(a in self._atomic for a in node.args):
             return False
         if node.op in MOVES_ELEMENTS:
             return True
+        if node.op in SUMS:
+            return set(node.attr) <= {"dims", "keepdim"} and _summed_shape(self.shape_of(node.args[0]), node.attr) == \
+                tuple(instantiate_shape(node.shape, self._dims_of(node.name)))
         if node.op not in NEVER_CONSTANT or \
                 any(isinstance(v, bool) or not isinstance(v, (int, float)) or v == 0
                     for k, v in node.attr.items() if k in SCALARS) or set(node.attr) - set(SCALARS):
@@ -163,8 +188,9 @@ class LogicalTerms:
 
     def _define(self, name: str) -> None:
         if name in self._later:
-            node = self.nodes[name]
-            self.definition[name] = eval_symbolic(node, [self.full(a) for a in node.args], self._dims_of(name))
+            node = self.nodes.get(name)
+            self.definition[name] = self.full(name) if node is None else \
+                eval_symbolic(node, [self.full(a) for a in node.args], self._dims_of(name))     # an input: its atoms
             self._later.discard(name)
 
     def _has_samples(self, name: str) -> bool:
@@ -309,19 +335,19 @@ class LogicalTerms:
                 break
         return False
 
-    def _atoms(self, name: str, shape, definition: np.ndarray | None = None) -> np.ndarray:
-        """Atoms for a tensor's elements; an element whose definition is a constant (a masked attention
-        weight is exactly 0) keeps the constant, so structural zeros stay visible downstream."""
-        arr = atoms(name, shape)
-        kept = False
-        if definition is not None:
-            for idx in np.ndindex(shape):
-                if definition[idx].kind is Kind.CONST or definition[idx] in INFINITE:
-                    arr[idx] = definition[idx]
-                    kept = True
-        if not kept:
-            self._atomic.add(name)
-        return arr
+def _constants_in(definition: np.ndarray) -> bool:
+    """Does a definition hold a constant (a closed term, ±∞) anywhere — what `_atoms_but_constants` keeps?"""
+    return any(t.kind is Kind.CONST or t in INFINITE for t in definition.reshape(-1))
+
+
+def _atoms_but_constants(name: str, definition: np.ndarray) -> np.ndarray:
+    """Atoms for a tensor's elements, but an element whose definition is a constant (a masked attention weight
+    is exactly 0) keeps the constant, so structural zeros stay visible downstream."""
+    arr = atoms(name, definition.shape)
+    for idx in np.ndindex(definition.shape):
+        if definition[idx].kind is Kind.CONST or definition[idx] in INFINITE:
+            arr[idx] = definition[idx]
+    return arr
 
 
 def _hashable(slices: tuple) -> tuple:
@@ -352,6 +378,17 @@ def _result_shape(op: Op, shapes: list[tuple[int, ...]]) -> tuple[int, ...] | No
         return np.broadcast_shapes(*shapes)
     except ValueError:
         return None
+
+
+def _summed_shape(shape: tuple[int, ...], attr: dict) -> tuple[int, ...] | None:
+    """The shape a sum over `attr["dims"]` (every dim where none) gives, or None where a summed dim is empty (a
+    sum of nothing is the constant 0) or out of range."""
+    dims = attr.get("dims") or range(len(shape))
+    summed = {d + len(shape) if d < 0 else d for d in dims}
+    if not all(0 <= d < len(shape) and shape[d] >= 1 for d in summed):
+        return None
+    keep = attr.get("keepdim")
+    return tuple(1 if d in summed else n for d, n in enumerate(shape) if keep or d not in summed)
 
 
 __all__ = ["LogicalTerms", "atoms"]

@@ -49,7 +49,7 @@ from tv_ray.errors import Asymmetric
 from tv_ray.ir import Node, Op
 from tv_ray.ir.ops import COLLECTIVES
 from tv_ray.partition.claims import Claim
-from tv_ray.partition.ids import StageId
+from tv_ray.partition.ids import NOTHING, StageId
 from tv_ray.partition.lazy import terms_of
 from tv_ray.partition.logical import SHAPE_ONLY
 from tv_ray.terms import Kind, Term, postorder
@@ -252,8 +252,11 @@ class StandIns:
             (bool(self.virtual) and all(m in parts or m in self.virtual for m in members))
 
     def _stand_in_parts(self, cid: StageId, members, claim: Claim, parts: dict) -> None:
-        """A partial claim over a group across dp blocks: each mirror's part from its representative's."""
+        """A partial claim over a group across dp blocks: each mirror's part from its representative's — what it
+        read renamed, except in a contribution sum, whose stage reads block 0's members' reads alone
+        (`_record_group`)."""
         kinds = self._part_kinds.pop(cid, {})
+        renamed = not self._contributes(members, claim)
         for m in members:
             if m in parts:
                 continue
@@ -263,7 +266,7 @@ class StandIns:
             k, kind = self.mirrors.block[m], kinds.get(rep)
             held = kind[k] if isinstance(kind, dict) else parts[rep][0] if kind is CONSTANT else \
                 Mirrored(claim.shape, kind is SAME)
-            parts[m] = (held, self.mirrors.rename_ids(parts[rep][1], k), None)
+            parts[m] = (held, self.mirrors.rename_ids(parts[rep][1], k) if renamed else NOTHING, None)
 
     def _mirrors_continue(self, state, node: Node, members, claim: Claim, cid: StageId) -> None:
         """After a partial claim over a group across dp blocks, each mirror continues from its part: its block's
