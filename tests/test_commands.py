@@ -77,6 +77,34 @@ def test_plan_output_onto_a_directory_or_under_a_file_is_a_message(tmp_path):
     assert done.returncode == 0 and (tmp_path / "new" / "dir" / "p.json").exists()
 
 
+def test_a_plan_is_validated_while_it_is_written_and_not_left_written_when_it_fails(tmp_path, capsys, monkeypatch):
+    """`tv-ray plan` validates the plan in a forked process while it writes the file: a plan that fails validation
+    ends with the validation's error, no file left; where that process dies without answering, the plan is
+    validated here."""
+    import json as json_
+    from tv_ray import plan_check, processes
+    from tv_ray.errors import PlanError
+    from tv_ray.plan import Plan
+    out = tmp_path / "plan.json"
+    argv = ["plan", "--model", "llama3-tiny", "--parallel", "dp=2", "-o", str(out)]
+    assert main(argv) == 0 and Plan.load(out).num_ranks == 2
+    told = json_.loads(capsys.readouterr().out)
+    assert told["ranks"] == 2 and told["plan"] == str(out)
+    out.unlink()
+
+    def broken(plan, dims=None):
+        raise PlanError("programs.main.ops[3]: broken on purpose", path="programs.main.ops[3]")
+    monkeypatch.setattr(plan_check, "check_plan", broken)
+    assert main(argv) == 2 and not out.exists()
+    assert capsys.readouterr().err == "tv-ray plan: programs.main.ops[3]: broken on purpose\n"
+    monkeypatch.setattr(processes, "_answer", lambda fn, args, sender: os._exit(3))    # dies without answering
+    assert main(argv) == 2 and not out.exists()        # validated here: the same error
+    assert capsys.readouterr().err == "tv-ray plan: programs.main.ops[3]: broken on purpose\n"
+    monkeypatch.undo()
+    monkeypatch.setattr(processes, "_answer", lambda fn, args, sender: os._exit(3))
+    assert main(argv) == 0 and Plan.load(out).num_ranks == 2
+
+
 def test_explain_into_a_closed_pipe_ends_quietly(tmp_path):
     report = tmp_path / "report.json"
     report.write_text('{"status": "refuted", "headline": "h", "counts": {}, "problems": ' +

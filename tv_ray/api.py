@@ -12,9 +12,7 @@ Example::
 """
 from __future__ import annotations
 
-import gc
 import json
-import multiprocessing
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -28,7 +26,7 @@ from tv_ray.models import ModelSpec, get, list_models
 from tv_ray.parallel.recipe import parallelize as _parallelize
 from tv_ray.parallel.spec import ParallelSpec
 from tv_ray.plan import Plan
-from tv_ray.processes import gc_paused
+from tv_ray.processes import Died, Forked, gc_paused
 from tv_ray.simulate import simulate
 
 if TYPE_CHECKING:
@@ -67,8 +65,9 @@ def capture_step(model, inputs=None, *, optim: str = RECIPE["optim"], clip: floa
 
 def parallelize(graph: Graph, spec: str | ParallelSpec, *, model: str | ModelSpec = "model",
                 dims: Mapping[str, int] | None = None, layers: int | None = None,
-                recipe: Mapping | None = None, **flags) -> Plan:
-    """The plan that runs `graph` under `spec` (``"dp=2,tp=2,pp=2,mb=2"``; flags sp, zero).
+                recipe: Mapping | None = None, check: bool = True, **flags) -> Plan:
+    """The plan that runs `graph` under `spec` (``"dp=2,tp=2,pp=2,mb=2"``; flags sp, zero), validated
+    (`check=False`: by the caller, with `tv_ray.plan_check.check_plan`).
 
     For a built-in model, pass its name as `model`; its dims and layer count
     are taken from it, and `recipe` (``{"optim": "adamw", "clip": 1.0, "tied": None}``, how `graph` was
@@ -85,7 +84,7 @@ def parallelize(graph: Graph, spec: str | ParallelSpec, *, model: str | ModelSpe
         model_spec = _spec(model, None, None)
         dims = {**model_spec.dims, **(dims or {})}
         layers = layers or model_spec.config.layers
-    plan = _parallelize(graph, spec, dict(dims or {}), name, layers=layers)
+    plan = _parallelize(graph, spec, dict(dims or {}), name, layers=layers, check=check)
     if recipe is not None:
         plan = replace(plan, recipe={"optim": recipe.get("optim", RECIPE["optim"]),
                                      "clip": recipe.get("clip", RECIPE["clip"]), "tied": recipe.get("tied"),
@@ -149,52 +148,31 @@ class _ForkedReference:
     caller goes on: 17 s at llama3-70b on one core, beside the reading of the plan and its claims, reduction and
     mirrors (one core) instead of after the whole verification. Begun from a plan file's header (`Plan.header`)
     before the plan is read (`_read_plan` stops it where the plan read in full names another model, recipe or dims);
-    `result(plan)` is the plan's `reference` with it — made again here where the process died without answering.
-    (Forked: the child keeps the collector off, so it does not touch — and copy — the parent's heap.)"""
+    `result(plan)` is the plan's `reference` with it — made again here where the process died without answering."""
 
     def __init__(self, model: str, recipe: Mapping, dims: Mapping[str, int]):
-        ctx = multiprocessing.get_context("fork")
         self.made_for = (model, dict(recipe), dict(dims))
-        self._answer, sender = ctx.Pipe(duplex=False)
-        self._process = ctx.Process(target=_send_capture, args=(self.made_for, sender), daemon=True)
-        self._process.start()
-        sender.close()
+        self._job = Forked(_capture_digest, *self.made_for)
 
     @staticmethod
     def of(model: str | None, recipe: Mapping | None, dims: Mapping[str, int] | None) -> "_ForkedReference | None":
         """One begun where the model is captured afresh and this process may have children (not a daemonic one)."""
-        if not _recaptured(model, recipe) or dims is None or multiprocessing.current_process().daemon:
+        if not _recaptured(model, recipe) or dims is None or not Forked.possible():
             return None
         return _ForkedReference(model, recipe, dims)
 
     def result(self, plan: Plan) -> dict:
         try:
-            answer = self._answer.recv()
-        except EOFError:
-            answer = None
-        finally:
-            self.stop()
-        if answer is None:
+            said = self._job.result()
+        except Died:
             return _reference_or_failure(plan)
-        failed, said = answer
-        return _failed(plan, said) if failed else _reference(plan, said)
+        except TvRayError as err:
+            return _failed(plan, err)
+        return _reference(plan, said)
 
     def stop(self) -> None:
         """Not needed (any more): the verification failed, or the plan is not what the header said."""
-        if self._process.is_alive():
-            self._process.terminate()
-        self._process.join()
-        self._answer.close()
-
-
-def _send_capture(made_for: tuple, sender) -> None:
-    gc.disable()
-    try:
-        answer = (False, _capture_digest(*made_for))
-    except TvRayError as err:
-        answer = (True, str(err))
-    sender.send(answer)
-    sender.close()
+        self._job.stop()
 
 
 @dataclass(repr=False)

@@ -25,6 +25,18 @@ from tv_ray.commands import add_model_flags, add_parsers
 from tv_ray.simulate import add_run_parser, parse_dims
 
 
+def _checked_save(plan, output: Path) -> None:
+    """Write the plan while it is validated beside (`checked_beside`); a plan that fails is not left written."""
+    from tv_ray.errors import PlanError
+    from tv_ray.plan_check import checked_beside
+    try:
+        with checked_beside(plan):
+            plan.save(output)
+    except PlanError:
+        output.unlink(missing_ok=True)
+        raise
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     output = Path(args.output)
     if output.is_dir():
@@ -42,9 +54,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         graph = capture_step(args.model, optim=args.optim, clip=args.clip, tied=args.tied, dims=dims or None)
         captured = time.perf_counter()
         plan = parallelize(graph, args.parallel, model=args.model, dims=dims or None, sp=args.sp, zero=args.zero,
-                           recipe={"optim": args.optim, "clip": args.clip, "tied": args.tied})
+                           recipe={"optim": args.optim, "clip": args.clip, "tied": args.tied}, check=False)
         output.parent.mkdir(parents=True, exist_ok=True)
-        plan.save(output)
+        _checked_save(plan, output)
         done = time.perf_counter()
     except TvRayError as err:
         print(f"tv-ray plan: {' | '.join(str(err).splitlines())}", file=sys.stderr)

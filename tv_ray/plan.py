@@ -401,9 +401,10 @@ class Plan:
         return plan
 
     @staticmethod
-    def load(path: str | Path) -> "Plan":
+    def load(path: str | Path, check: bool = True) -> "Plan":
         """Read and validate a plan file, plain or gzip-compressed (`save` to a name ending in `.gz`). Errors:
-        ``plan.json: not valid JSON at line 3 column 9: …``."""
+        ``plan.json: not valid JSON at line 3 column 9: …``. `check=False`: parsed only, validated by the caller
+        (`tv_ray.plan_check.checked_beside`)."""
         try:
             raw = Path(path).read_bytes()
             text = (gzip.decompress(raw) if raw[:2] == GZIP_MAGIC else raw).decode()
@@ -419,7 +420,7 @@ class Plan:
                 raise PlanError(f"{path}: not valid JSON at line {err.lineno} column {err.colno}: "
                                 f"{err.msg}") from None
             del text
-            return Plan.from_json(obj)
+            return Plan.from_json(obj, check)
 
     def save(self, path: str | Path, repeats: bool = True) -> None:
         """Write the plan as JSON with one input, op or lineage entry per line (readable diffs); gzip-compressed

@@ -8,8 +8,9 @@ numpy mask; coverage of logical outputs is computed on intervals.
 """
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import numpy as np
 
@@ -17,7 +18,7 @@ from tv_ray.errors import GraphError, PlanError, TvRayError
 from tv_ray.ir import Expr, Graph, Node
 from tv_ray.ir.ops import ATTRS, COMMUNICATION, RANK_DEPENDENT
 from tv_ray.plan import Fixed, Lineage, Plan
-from tv_ray.processes import gc_paused
+from tv_ray.processes import Died, Forked, gc_paused
 from tv_ray.semantics import Context, check_graph
 
 # Ops that name mesh axes; none of them may appear in the logical graph.
@@ -66,6 +67,34 @@ def check_plan(plan: Plan, dims: dict[str, int] | None = None) -> None:
             _check_graph(plan, program, f"programs.{name}", sizes, logical=False)
         plan.rank_programs()   # every rank runs a program that exists
         _LineageCheck(plan, sizes).run()
+
+
+@contextlib.contextmanager
+def checked_beside(plan: Plan) -> Iterator[None]:
+    """`check_plan` of a plan made or read unchecked, in a forked process while the body goes on with the plan (a
+    70B plan's check: 4–7 s on a core that would wait). On leaving, the check is waited for and its `PlanError`
+    raised — also in place of an exception the body raised, since an invalid plan may break what reads it. The plan
+    is checked here where no process may be forked or the forked one died without answering."""
+    job = Forked(check_plan, plan) if Forked.possible() else None
+    try:
+        yield
+    except Exception:
+        _checked(job, plan)
+        raise
+    except BaseException:
+        if job is not None:
+            job.stop()
+        raise
+    _checked(job, plan)
+
+
+def _checked(job: Forked | None, plan: Plan) -> None:
+    if job is not None:
+        try:
+            return job.result()
+        except Died:
+            pass
+    check_plan(plan)
 
 
 # -- graphs -----------------------------------------------------------------------------------

@@ -2,9 +2,10 @@
 
 `gc_paused` keeps the cyclic collector off while ~10^7 small acyclic objects
 are built (a plan, its stages); `in_processes` runs jobs in processes forked
-for the call, each inheriting the jobs rather than receiving them pickled.
-Neither imports anything of tv_ray: the capture, the partition and the
-checker use them alike.
+for the call, each inheriting the jobs rather than receiving them pickled;
+`Forked` runs one job beside this process's own work. None imports anything
+of tv_ray: the capture, the partition, the checker and the commands use them
+alike.
 """
 from __future__ import annotations
 
@@ -69,4 +70,57 @@ def _forked_job(i: int) -> bytes:
     return pickle.dumps(fn(*jobs[i]), protocol=pickle.HIGHEST_PROTOCOL)
 
 
-__all__ = ["gc_paused", "in_processes", "Generate"]
+class Forked:
+    """`fn(*args)` run in a process forked now, while this one goes on: `result()` waits for it and returns what it
+    returned or raises what it raised (`Died`: it ended without answering — killed, say); `stop()` ends it unasked.
+    The child inherits `args` rather than receiving them pickled and keeps the collector off, so it does not touch
+    (and copy) this process's heap. A daemonic process may have no children: see `possible`."""
+
+    def __init__(self, fn: Callable, *args):
+        ctx = multiprocessing.get_context("fork")
+        self._answer, sender = ctx.Pipe(duplex=False)
+        self._process = ctx.Process(target=_answer, args=(fn, args, sender), daemon=True)
+        self._process.start()
+        sender.close()
+
+    @staticmethod
+    def possible() -> bool:
+        """May this process fork one (it is not a daemonic process itself)?"""
+        return not multiprocessing.current_process().daemon
+
+    def result(self):
+        try:
+            raised, value = self._answer.recv()
+        except EOFError:
+            raise Died(f"the forked process ended without answering (exit code {self._process.exitcode})") from None
+        finally:
+            self.stop()
+        if raised:
+            raise value
+        return value
+
+    def stop(self) -> None:
+        if self._process.is_alive():
+            self._process.terminate()
+        self._process.join()
+        self._answer.close()
+
+
+class Died(Exception):
+    """A `Forked` job ended without answering."""
+
+
+def _answer(fn: Callable, args: tuple, sender) -> None:
+    gc.disable()
+    try:
+        answer = (False, fn(*args))
+    except Exception as err:        # noqa: BLE001 — raised again by `Forked.result`, in the parent
+        answer = (True, err)
+    try:
+        sender.send(answer)
+    except Exception as err:        # noqa: BLE001 — an answer that cannot be pickled: said as text
+        sender.send((True, RuntimeError(f"{fn.__name__}: its answer cannot be sent back: {err}")))
+    sender.close()
+
+
+__all__ = ["gc_paused", "in_processes", "Generate", "Forked", "Died"]

@@ -1,6 +1,7 @@
 """Certificates: a proved run writes one, `tv-ray check` re-validates it, and any tampering fails with a named cause."""
 import gc
 import gzip
+import os
 import json
 import re
 import shutil
@@ -10,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tv_ray import api
+from tv_ray import api, processes
 from tv_ray.certificate import check_certificate
 from tv_ray.certificate.write import manifest_digest, sha256_file
 from tv_ray.cli import main
@@ -201,6 +202,30 @@ def test_a_plan_edited_after_verification_fails(cert):
     with pytest.raises(CertificateError, match="plan.json.gz: sha256 does not match the certificate; the plan was "
                                                "changed after verification"):
         check_certificate(cert, sample=1)
+
+
+def test_a_plan_that_fails_validation_fails_the_check_with_its_error(cert, monkeypatch):
+    """A careful forger's plan (its hashes refreshed) that is not a valid plan: the check, which validates the plan
+    in a forked process while it derives the stages (`checked_beside`), fails with the plan's error — also where that
+    process dies without answering (validated in the checker's own then)."""
+    plan = json.loads(gzip.decompress((cert / "plan.json.gz").read_bytes()))
+    program = next(iter(plan["programs"]))
+    at = next(i for i, op in enumerate(plan["programs"][program]["ops"]) if isinstance(op, dict) and op.get("args"))
+    plan["programs"][program]["ops"][at]["args"][0] = "nowhere"
+    (cert / "plan.json.gz").write_bytes(gzip.compress(json.dumps(plan).encode()))
+    manifest = json.loads((cert / "certificate.json").read_text())
+    manifest["plan"]["sha256"] = sha256_file(cert / "plan.json.gz")
+    manifest["manifest_sha256"] = manifest_digest(manifest)
+    (cert / "certificate.json").write_text(json.dumps(manifest))
+    with pytest.raises(CertificateError) as err:
+        check_certificate(cert, sample=1)
+    said = (f"{cert / 'plan.json.gz'}: programs.{program}.ops[{at}].args: embedding@0 = embedding(...) reads "
+            f"'nowhere', which is not an input nor the result of an earlier op")
+    assert at == 0 and str(err.value) == said
+    monkeypatch.setattr(processes, "_answer", lambda fn, args, sender: os._exit(3))
+    with pytest.raises(CertificateError) as again:
+        check_certificate(cert, sample=1)
+    assert str(again.value) == said
 
 
 def test_an_edited_manifest_fails(cert):

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tv_ray import api
+from tv_ray import api, processes
 from tv_ray.certificate import check_certificate
 from tv_ray.cli import main
 from tv_ray.errors import CertificateError
@@ -101,13 +101,13 @@ def test_the_fresh_capture_runs_in_a_forked_process_beside_the_verification_and_
     result = api.verify(plan, engine="local", progress=False)
     pids = (tmp_path / "pids").read_text().split()
     assert result.proved and result.reference["capture"] == "matches" and pids and str(os.getpid()) not in pids
-    monkeypatch.setattr(api, "_send_capture", lambda made_for, sender: os._exit(3))     # dies without answering
+    monkeypatch.setattr(processes, "_answer", lambda fn, args, sender: os._exit(3))    # dies without answering
     (tmp_path / "pids").unlink()
     result = api.verify(plan, engine="local", progress=False)
     assert result.reference["capture"] == "matches" and (tmp_path / "pids").read_text().split() == [str(os.getpid())]
     monkeypatch.undo()
     monkeypatch.setattr(api, "capture_step", noted)
-    monkeypatch.setattr(api.multiprocessing, "current_process", lambda: SimpleNamespace(daemon=True))
+    monkeypatch.setattr(processes.multiprocessing, "current_process", lambda: SimpleNamespace(daemon=True))
     (tmp_path / "pids").unlink()         # a daemonic process may not have children: captured here
     result = api.verify(plan, engine="local", progress=False)
     assert result.reference["capture"] == "matches" and (tmp_path / "pids").read_text().split() == [str(os.getpid())]

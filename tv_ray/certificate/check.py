@@ -49,6 +49,7 @@ from tv_ray.errors import CertificateError, PlanError
 from tv_ray.partition.compose import composition_problems
 from tv_ray.partition.derive import Settings, derive
 from tv_ray.plan import Plan
+from tv_ray.plan_check import checked_beside
 from tv_ray.processes import gc_paused, in_processes
 from tv_ray.smt import prove, prove_all
 from tv_ray.terms import Term
@@ -270,14 +271,15 @@ def check_certificate(out: str | Path, sample: int | None = None, solvers: tuple
     show = sys.stderr.isatty() if progress is None else progress
     out = Path(out)
     manifest, plan_path = _load(out)
-    try:
-        plan = Plan.load(plan_path)
-    except PlanError as e:
-        raise CertificateError(f"{plan_path}: {e}") from None
     recorded = manifest["settings"]
     settings = Settings(recorded.get("seed", 0), recorded.get("symmetry", True), bool(manifest["stage_dag"].get("shards")),
                         recorded.get("templates", False))      # certificates from before templates have none
-    derivation = derive(plan, settings, manifest.get("claims_dropped", []), workers)
+    try:
+        plan = Plan.load(plan_path, check=False)
+        with checked_beside(plan):      # validated while it is derived
+            derivation = derive(plan, settings, manifest.get("claims_dropped", []), workers)
+    except PlanError as e:
+        raise CertificateError(f"{plan_path}: {e}") from None
     reduction, part = derivation.reduction, derivation.partition
     phases: dict[str, float] = {}
 

@@ -126,8 +126,8 @@ class Recipe:
 
 
 def parallelize(graph: Graph, spec: ParallelSpec | str, dims: Mapping[str, int], model: str = "model",
-                layers: int | None = None, schedule: str = "1f1b") -> Plan:
-    """The plan that runs `graph` under `spec`, validated.
+                layers: int | None = None, schedule: str = "1f1b", check: bool = True) -> Plan:
+    """The plan that runs `graph` under `spec`, validated (`check=False`: by the caller, `check_plan`).
 
     Example::
 
@@ -137,11 +137,11 @@ def parallelize(graph: Graph, spec: ParallelSpec | str, dims: Mapping[str, int],
         spec = ParallelSpec.parse(spec)
     spec.check_model(dims, layers)
     with gc_paused():       # millions of small immutable objects: the cyclic GC only costs time here
-        return _build(graph, spec, dims, model, layers, schedule)
+        return _build(graph, spec, dims, model, layers, schedule, check)
 
 
 def _build(graph: Graph, spec: ParallelSpec, dims: Mapping[str, int], model: str, layers: int | None,
-           schedule: str) -> Plan:
+           schedule: str, check: bool) -> Plan:
     logical = graph
     graph = prepare(graph)
     if spec.tp > 1:
@@ -165,5 +165,6 @@ def _build(graph: Graph, spec: ParallelSpec, dims: Mapping[str, int], model: str
                 schedule=schedule, logical=logical, programs=programs,
                 ranks=RankMap("stage{pp}" if spec.pp > 1 else "main"),
                 lineage=tuple(lineage), interior=tuple(interior))
-    check_plan(plan)
+    if check:
+        check_plan(plan)
     return plan
