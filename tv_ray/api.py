@@ -26,7 +26,7 @@ from tv_ray.models import ModelSpec, get, list_models
 from tv_ray.parallel.recipe import parallelize as _parallelize
 from tv_ray.parallel.spec import ParallelSpec
 from tv_ray.plan import Plan
-from tv_ray.processes import Died, Forked, gc_paused
+from tv_ray.processes import Forked, gc_paused
 from tv_ray.simulate import simulate
 
 if TYPE_CHECKING:
@@ -164,7 +164,7 @@ class _ForkedReference:
     def result(self, plan: Plan) -> dict:
         try:
             said = self._job.result()
-        except Died:
+        except ChildProcessError:
             return _reference_or_failure(plan)
         except TvRayError as err:
             return _failed(plan, err)

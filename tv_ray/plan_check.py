@@ -18,7 +18,7 @@ from tv_ray.errors import GraphError, PlanError, TvRayError
 from tv_ray.ir import Expr, Graph, Node
 from tv_ray.ir.ops import ATTRS, COMMUNICATION, RANK_DEPENDENT
 from tv_ray.plan import Fixed, Lineage, Plan
-from tv_ray.processes import Died, Forked, gc_paused
+from tv_ray.processes import Forked, gc_paused
 from tv_ray.semantics import Context, check_graph
 
 # Ops that name mesh axes; none of them may appear in the logical graph.
@@ -92,7 +92,7 @@ def _checked(job: Forked | None, plan: Plan) -> None:
     if job is not None:
         try:
             return job.result()
-        except Died:
+        except ChildProcessError:
             pass
     check_plan(plan)
 

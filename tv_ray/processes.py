@@ -72,7 +72,8 @@ def _forked_job(i: int) -> bytes:
 
 class Forked:
     """`fn(*args)` run in a process forked now, while this one goes on: `result()` waits for it and returns what it
-    returned or raises what it raised (`Died`: it ended without answering — killed, say); `stop()` ends it unasked.
+    returned or raises what it raised (`ChildProcessError`: it ended without answering — killed, say); `stop()` ends
+    it unasked.
     The child inherits `args` rather than receiving them pickled and keeps the collector off, so it does not touch
     (and copy) this process's heap. A daemonic process may have no children: see `possible`."""
 
@@ -92,7 +93,8 @@ class Forked:
         try:
             raised, value = self._answer.recv()
         except EOFError:
-            raise Died(f"the forked process ended without answering (exit code {self._process.exitcode})") from None
+            raise ChildProcessError(f"the forked process ended without answering (exit code "
+                                    f"{self._process.exitcode})") from None
         finally:
             self.stop()
         if raised:
@@ -104,10 +106,6 @@ class Forked:
             self._process.terminate()
         self._process.join()
         self._answer.close()
-
-
-class Died(Exception):
-    """A `Forked` job ended without answering."""
 
 
 def _answer(fn: Callable, args: tuple, sender) -> None:
@@ -123,4 +121,4 @@ def _answer(fn: Callable, args: tuple, sender) -> None:
     sender.close()
 
 
-__all__ = ["gc_paused", "in_processes", "Generate", "Forked", "Died"]
+__all__ = ["gc_paused", "in_processes", "Generate", "Forked"]

@@ -111,9 +111,11 @@ def test_each_op_of_a_microbatch_pairs_with_microbatch_0s_at_its_place(claimed):
         for mine, theirs in pairs.items():
             assert nodes[theirs].get_meta("mb") == 0 and nodes[theirs].op == nodes[mine].op
             assert nodes[theirs].get_meta("realises") == nodes[mine].get_meta("realises")
-        # a send or receive carries its microbatch's tag: never paired, so always stepped
-        assert not any(nodes[m].op in (Op.SEND, Op.RECV) for m in pairs)
-        assert all(n.name in pairs for n in later if n.op not in (Op.SEND, Op.RECV)), name
+        # a send or receive carries its microbatch's own tag, and pairs all the same (the stage it cuts is renamed
+        # through the pairing); it is stepped either way, never taken as renamed
+        messages = [m for m in pairs if nodes[m].op in (Op.SEND, Op.RECV)]
+        assert messages and all(nodes[m].attr["tag"] != nodes[pairs[m]].attr["tag"] for m in messages)
+        assert all(n.name in pairs for n in later), name
 
 
 def test_a_copy_is_found_by_its_id_and_nothing_else_is(claimed):

@@ -57,7 +57,7 @@ import numpy as np
 
 from tv_ray.errors import TvRayError
 from tv_ray.ir import Graph
-from tv_ray.ir.ops import COMMUNICATION
+from tv_ray.ir.ops import COMMUNICATION, P2P
 from tv_ray.partition.ids import NOTHING, StageId
 from tv_ray.partition.lazy import Continued, Deferred
 
@@ -173,7 +173,8 @@ class CopyIndex:
 
 def counterparts(program: Graph) -> dict[str, str]:
     """Each op of a microbatch k ≥ 1 → the op at the same place among microbatch 0's ops, where both are the
-    same op (kind, attributes, shape, dtype, arity); a microbatch with another number of ops has none."""
+    same op (kind, attributes, shape, dtype, arity; a send or recv's message tag aside — each microbatch's messages
+    have their own); a microbatch with another number of ops has none."""
     by_mb: dict[int, list] = {}
     for node in program.nodes:
         mb = node.get_meta("mb")
@@ -185,10 +186,16 @@ def counterparts(program: Graph) -> dict[str, str]:
         if k == 0 or len(nodes) != len(first):
             continue
         for node, base in zip(nodes, first):
-            if len(node.args) == len(base.args) and node.op is base.op and node.attrs == base.attrs and \
-                    node.shape == base.shape and node.dtype == base.dtype:
+            if len(node.args) == len(base.args) and node.op is base.op and node.shape == base.shape and \
+                    node.dtype == base.dtype and (node.attrs == base.attrs or
+                                                  node.op in P2P and _untagged(node) == _untagged(base)):
                 pairs[node.name] = base.name
     return pairs
+
+
+def _untagged(node) -> dict:
+    """A send or recv's attributes but its message tag."""
+    return {k: v for k, v in node.attr.items() if k != "tag"}
 
 
 class GroupCut(NamedTuple):
