@@ -85,10 +85,10 @@ class LogicalTerms:
 
     @staticmethod
     def build(graph: Graph, dims: dict[str, int], blocks: Blocks | None = None, eager: bool = False) -> "LogicalTerms":
-        """`eager`: every value and definition made now — what those made when asked must equal (the tests'
-        reference); else a tensor that is its atoms throughout (most weights, most of the optimizer's) has its
-        atoms made when asked (`full`, `value_at`), its definition too where that needs no other tensor's
-        (`_define`)."""
+        """`eager`: every value made now, and every definition but a contribution sum's — what those made when
+        asked must equal (the tests' reference); else a tensor that is its atoms throughout (most weights, most of
+        the optimizer's) has its atoms made when asked (`full`, `value_at`), and a float input's or a deferrable
+        op's definition is built when asked too (`_define`)."""
         lt = LogicalTerms(graph, dims, nodes={n.name: n for n in graph.nodes}, blocks=blocks)
         small = blocks.small if blocks else dims
         varying = lt._varying     # floats computed from float inputs: these get atoms
