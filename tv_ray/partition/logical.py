@@ -130,10 +130,9 @@ class LogicalTerms:
             else:
                 d = eval_symbolic(node, [lt.full(a) for a in node.args], lt._dims_of(node.name))
             lt.definition[node.name] = d
-            if not varies:
-                lt.value[node.name] = d
-            elif _constants_in(d):
-                lt.value[node.name] = _atoms_but_constants(node.name, d)
+            kept = _atoms_but_constants(node.name, d) if varies else d
+            if kept is not None:
+                lt.value[node.name] = kept
             else:
                 lt._of_atoms(node.name, d.shape, eager)
         return lt
@@ -335,18 +334,17 @@ class LogicalTerms:
                 break
         return False
 
-def _constants_in(definition: np.ndarray) -> bool:
-    """Does a definition hold a constant (a closed term, ±∞) anywhere — what `_atoms_but_constants` keeps?"""
-    return any(t.kind is Kind.CONST or t in INFINITE for t in definition.reshape(-1))
-
-
-def _atoms_but_constants(name: str, definition: np.ndarray) -> np.ndarray:
-    """Atoms for a tensor's elements, but an element whose definition is a constant (a masked attention weight
-    is exactly 0) keeps the constant, so structural zeros stay visible downstream."""
+def _atoms_but_constants(name: str, definition: np.ndarray) -> np.ndarray | None:
+    """Atoms for a tensor's elements where its definition holds a constant (a closed term, ±∞) somewhere, each such
+    element keeping its constant (a masked attention weight is exactly 0, and downstream sees it); None where it
+    holds none (the tensor is its atoms throughout)."""
+    constants = [(i, t) for i, t in enumerate(definition.reshape(-1)) if t.kind is Kind.CONST or t in INFINITE]
+    if not constants:
+        return None
     arr = atoms(name, definition.shape)
-    for idx in np.ndindex(definition.shape):
-        if definition[idx].kind is Kind.CONST or definition[idx] in INFINITE:
-            arr[idx] = definition[idx]
+    flat = arr.reshape(-1)
+    for i, t in constants:
+        flat[i] = t
     return arr
 
 

@@ -43,8 +43,6 @@ from tv_ray.ir import Graph, Node, Op
 from tv_ray.ir.ops import ELEMENTWISE, RANK_DEPENDENT
 from tv_ray.partition.claims import Claim
 from tv_ray.partition.ids import Part, StageId
-
-_MADE = tuple.__new__
 from tv_ray.plan import Plan
 from tv_ray.semantics.shapes import norm_dim
 from tv_ray.semantics.table import instantiate_attrs, instantiate_shape
@@ -367,13 +365,13 @@ class Mirrors:
         ranks = cid.ranks
         if len(ranks) == 1:     # most ids: one rank's (made as a tuple is: a weight gradient's reads, each mirror)
             moved = self.image[k].get(ranks[0])
-            return cid if moved is None else _MADE(StageId, (cid.kind, (moved,), cid.tensor))
+            return cid if moved is None else cid.with_ranks((moved,))
         moved = self._groups.get((ranks, k))
         if moved is None:
             image = self.image[k]
             same = len({self.block[r] for r in ranks if self.block[r] in (0, k)}) > 1
             moved = self._groups[ranks, k] = ranks if same else tuple(image.get(r, r) for r in ranks)
-        return cid if moved == ranks else _MADE(StageId, (cid.kind, moved, cid.tensor))
+        return cid if moved == ranks else cid.with_ranks(moved)
 
     def rename_ids(self, ids, k: int) -> frozenset[StageId]:
         """`rename_id` of each id: a mirror's reads (a weight gradient's, accumulated over the microbatches, ~70 ids
