@@ -23,7 +23,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parents[1]
-CLI = "import sys; from tv_ray.cli import main; sys.argv[0] = 'tv-ray'; sys.exit(main())"
+# the `tv-ray` script's entry point (a tree before `entry` existed: `main`)
+CLI = ("import sys; import tv_ray.cli as cli; sys.argv[0] = 'tv-ray'; "
+       "cli.entry() if hasattr(cli, 'entry') else sys.exit(cli.main())")
 
 
 def command(tree: Path, args: list[str], log: Path) -> dict:

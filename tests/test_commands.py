@@ -41,6 +41,22 @@ def test_unknown_solvers_and_bad_timeouts_are_refused_before_anything_runs(tmp_p
         verify("llama3-tiny", "dp=2", timeout=0, engine="local")
 
 
+def test_the_command_runs_with_the_cyclic_collector_off_to_its_end(monkeypatch, capsys):
+    """`tv-ray` (`entry`) turns the collector off for good: turned back on after a verification, its first pass
+    would walk every object the verification made, only for the process to end."""
+    import gc
+    from tv_ray import cli
+    monkeypatch.setattr(sys, "argv", ["tv-ray", "models"])
+    ended = []
+    monkeypatch.setattr(sys, "exit", ended.append)
+    try:
+        cli.entry()
+        assert ended == [0] and not gc.isenabled()
+        assert "llama3-tiny" in capsys.readouterr().out
+    finally:
+        gc.enable()
+
+
 def test_a_plan_path_is_a_plan_whatever_its_name_and_a_bad_name_says_so(tiny_dp2_plan, tmp_path, capsys):
     odd = tmp_path / "plan.v2"
     tiny_dp2_plan.save(odd)

@@ -12,13 +12,14 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
-from tv_ray.errors import CaptureError, ParallelConfigError, SettingsError, TvRayError
+from tv_ray.errors import CaptureError, ParallelConfigError, PlanError, SettingsError, TvRayError
 from tv_ray.frontend.capture import capture
 from tv_ray.frontend.optim import RECIPE, capture_step as _capture_step
 from tv_ray.ir.graph import Graph
@@ -26,6 +27,7 @@ from tv_ray.models import ModelSpec, get, list_models
 from tv_ray.parallel.recipe import parallelize as _parallelize
 from tv_ray.parallel.spec import ParallelSpec
 from tv_ray.plan import Plan
+from tv_ray.plan_check import checked_beside
 from tv_ray.processes import Forked, gc_paused
 from tv_ray.simulate import simulate
 
@@ -290,24 +292,29 @@ def verify(model_or_plan=None, parallel: str | None = None, *, optim: str = RECI
             plan = parallelize(captured, parallel, model=model_or_plan, dims=dims, sp=sp, zero=zero,
                                recipe={"optim": optim, "clip": clip, "tied": tied})
     try:
-        if saved is not None and not resume:
-            saved.start(plan, settings, source=plan_path)
-        if forked is None and captured is None:   # the model captured again, beside the verification
-            forked = _ForkedReference.of(plan.model, plan.recipe, plan.dims)
-        executor = executor or executor_for(engine, jobs, address)
-        if hasattr(executor, "connect"):
-            _note(progress, f"connecting to Ray ({executor.address or 'a new local Ray on this machine'}) …")
-        try:
+        # a plan read from a file is validated beside the verification (its error, if any, is the verification's)
+        with checked_beside(plan) if plan_path is not None and not resume else contextlib.nullcontext():
+            if saved is not None and not resume:
+                saved.start(plan, settings, source=plan_path)
+            if forked is None and captured is None:   # the model captured again, beside the verification
+                forked = _ForkedReference.of(plan.model, plan.recipe, plan.dims)
+            executor = executor or executor_for(engine, jobs, address)
             if hasattr(executor, "connect"):
-                executor.connect()
-            outcome = verify_plan(plan, budget=budget, executor=executor, progress=progress, seed=settings["seed"],
-                                  symmetry=settings["symmetry"], templates=settings.get("templates", True),
-                                  checkpoint=saved, shards=settings.get("shards"))
-        finally:
-            executor.close()
-    except BaseException:
+                _note(progress, f"connecting to Ray ({executor.address or 'a new local Ray on this machine'}) …")
+            try:
+                if hasattr(executor, "connect"):
+                    executor.connect()
+                outcome = verify_plan(plan, budget=budget, executor=executor, progress=progress,
+                                      seed=settings["seed"], symmetry=settings["symmetry"],
+                                      templates=settings.get("templates", True), checkpoint=saved,
+                                      shards=settings.get("shards"))
+            finally:
+                executor.close()
+    except BaseException as err:
         if forked is not None:
             forked.stop()
+        if isinstance(err, PlanError) and saved is not None and not resume:
+            saved.discard()             # nothing to resume of a plan that is not valid
         raise
     ref = forked.result(plan) if forked is not None else _reference_or_failure(plan, captured)
     return Result(outcome, diagnose(outcome, ref), settings, plan_path, ref)
@@ -319,7 +326,7 @@ def _read_plan(path) -> tuple[Plan, _ForkedReference | None]:
     head = Plan.header(path)
     forked = _ForkedReference.of(head.get("model"), head.get("recipe"), head.get("dims"))
     try:
-        plan = Plan.load(path)
+        plan = Plan.load(path, check=False)         # validated beside the verification (`verify`)
     except BaseException:
         if forked is not None:
             forked.stop()

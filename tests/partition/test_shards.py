@@ -9,6 +9,7 @@ import pytest
 from tests.engine.mutants import MUTANTS
 from tv_ray import api
 from tv_ray.engine.driver import verify_plan
+from tv_ray.partition.claims import Claims
 from tv_ray.partition.derive import claims_for
 from tv_ray.engine.executor import LocalExecutor
 from tv_ray.partition.generate import Renamings, merge, partition, pipeline_shards, run_shards
@@ -103,7 +104,7 @@ def test_a_collective_across_pipeline_stages_keeps_the_run_whole(pipelined):
     plan, dims, claims = pipelined
     assert len(pipeline_shards(plan, claims)) == 2
     key = next(k for k, c in claims.items() if c.partial)
-    assert pipeline_shards(plan, {**claims, key: replace(claims[key], partial=("pp",))}) is None
+    assert pipeline_shards(plan, Claims({**claims, key: replace(claims[key], partial=("pp",))})) is None
     flat = api.parallelize(api.capture_step("llama3-tiny", optim="adamw", clip=1.0), "dp=2,tp=2", model="llama3-tiny")
     assert pipeline_shards(flat, {}) is None
 

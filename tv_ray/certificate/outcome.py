@@ -23,7 +23,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from tv_ray.partition.claims import Claim, ConcreteRun, group_value
+from tv_ray.partition.claims import Claims, ConcreteRun, group_value
 from tv_ray.partition.stages import Obligation, Partition
 from tv_ray.reduce import Reduction
 from tv_ray.simulate import max_abs_deviation
@@ -128,7 +128,7 @@ class Outcome:
     reduction: Reduction
     partition: Partition
     runs: list[ConcreteRun]
-    claims: dict[tuple[int, str], Claim]
+    claims: Claims
     verdicts: dict[str, Verdict]               # key -> verdict
     problems: list[str] = field(default_factory=list)     # composition failures (never proved then)
     phases: dict[str, float] = field(default_factory=dict)

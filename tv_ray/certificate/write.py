@@ -34,7 +34,6 @@ import hashlib
 import json
 import platform
 import sys
-from collections import Counter
 from importlib import metadata
 from pathlib import Path
 
@@ -174,8 +173,7 @@ def write_certificate(outcome: Outcome, out: str | Path, plan_path: str | Path |
         "reference": reference,
         "reduction": outcome.reduction.to_json(),
         "axioms": axioms,
-        "claims": dict(Counter("boundary" if c.boundary else "stated" if c.given else "inferred"
-                               for c in outcome.claims.values())),
+        "claims": dict(outcome.claims.kinds()),
         "claims_dropped": [[rank, tensor] for rank, tensor in outcome.dropped],
         "counts": outcome.counts(),
         "tiers": outcome.tiers(),

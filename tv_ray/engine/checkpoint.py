@@ -60,9 +60,7 @@ class Checkpoint:
     def start(self, plan: Plan, settings: dict, source: str | Path | None = None) -> None:
         """A new run: clear any old checkpoint, keep the plan and the settings. `source`: the file `plan` was read
         from, copied as it is (compressed) rather than written again (llama3-405b: 9 s)."""
-        if self.dir.exists():
-            for f in self.dir.iterdir():
-                f.unlink()
+        self.discard()
         self.dir.mkdir(parents=True, exist_ok=True)
         if source is None:
             plan.save(self.plan_file)
@@ -70,6 +68,12 @@ class Checkpoint:
             pack(source, self.plan_file)
         run = {"plan_sha256": sha256_file(self.plan_file), "settings": settings}
         _atomic_write(self.dir / "run.json", json.dumps(run, indent=1, sort_keys=True) + "\n")
+
+    def discard(self) -> None:
+        """Remove the run kept here (a plan that turned out invalid leaves nothing to resume)."""
+        if self.dir.exists():
+            for f in self.dir.iterdir():
+                f.unlink()
 
     def resume(self) -> tuple[Plan, dict]:
         """The checkpoint's plan and settings, its solved keys loaded (`verdicts`)."""

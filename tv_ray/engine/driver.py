@@ -27,6 +27,7 @@ from tv_ray.engine.executor import Executor, LocalExecutor, SolveTask
 from tv_ray.engine.solve import Budget
 from tv_ray.errors import CommunicationError
 from tv_ray.partition.compose import composition_problems
+from tv_ray.partition.claims import Claims
 from tv_ray.partition.derive import Settings, derive_claims
 from tv_ray.partition.stages import Partition
 from tv_ray.plan import Plan
@@ -90,7 +91,7 @@ def verify_plan(plan: Plan, *, budget: Budget = Budget(), executor: Executor | N
         derivation = derive_claims(plan, Settings(seed, symmetry, shards, templates))
     except CommunicationError as err:   # missing or misrouted communication: no output is ever computed
         empty = Partition([], {}, [])
-        return Outcome(plan, reduce_plan(plan), empty, [], {}, {}, [str(err)], dict(phases), _name(executor),
+        return Outcome(plan, reduce_plan(plan), empty, [], Claims({}), {}, [str(err)], dict(phases), _name(executor),
                        failure=str(err))
     phases["claims"] += time.perf_counter() - t
     show = sys.stderr.isatty() if progress is None else progress

@@ -26,6 +26,8 @@ search like any other.
 from __future__ import annotations
 
 import itertools
+from collections import Counter
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -153,26 +155,220 @@ def output_claims(plan: Plan, logical_shapes: dict[str, tuple[int, ...]],
 def interior_claims(plan: Plan, logical_shapes: dict[str, tuple[int, ...]],
                     ranks: np.ndarray | None = None) -> dict[tuple[int, str], Claim]:
     """The claims the plan's intermediate lineage states, keyed by (rank, program tensor) (on `ranks`: all)."""
-    out: dict[tuple[int, str], Claim] = {}
-    # a frontier plan's entries repeat a few splits (every layer's and microbatch's): each split's regions once,
-    # as the ranks' region numbers and a claim on each region; an entry makes one claim per region (`Claim.on`,
-    # shared by the ranks holding it: the tensor-parallel ranks of a replicated activation), not one per rank
-    regions: dict[tuple, tuple[list[tuple], list[Claim]]] = {}
-    for entry in plan.interior:
-        shape = logical_shapes[entry.logical]
-        split = (entry.where, entry.slice, entry.partial, shape)
-        found = regions.get(split)
+    return _Stated(plan, logical_shapes, ranks, None).made
+
+
+class _Stated:
+    """The claims of the plan's intermediate lineage (`made`), but for the entries of microbatch k's ops whose claim
+    on every rank is their counterpart's moved to block k (with `blocks`): those are left to `Claims` (`moved`:
+    program -> op of microbatch k -> (its counterpart, k); `unmade`: how many (rank, op) keys they stand for)."""
+
+    def __init__(self, plan: Plan, logical_shapes, ranks: np.ndarray | None, blocks: "Blocks | None"):
+        self.plan, self.shapes, self.ranks, self.blocks = plan, logical_shapes, ranks, blocks
+        self.made: dict[tuple[int, str], Claim] = {}
+        self.moved: dict[str, dict[str, tuple[str, int]]] = {}
+        self.unmade = 0
+        # a frontier plan's entries repeat a few splits (every layer's and microbatch's): each split's regions once,
+        # as the ranks' region numbers and a claim on each region; an entry makes one claim per region (`Claim.on`,
+        # shared by the ranks holding it: the tensor-parallel ranks of a replicated activation), not one per rank
+        self.regions: dict[tuple, tuple[list[tuple[int, int]], list[Claim]]] = {}
+        self.alike: dict[tuple, bool] = {}      # (split of microbatch 0's entry, split of k's, k, tag) -> moved alike
+        if blocks is not None:
+            names, ids = plan.rank_programs()
+            self.program_of = [names[i] for i in ids]
+            self.pairs = {name: _pairs(plan.programs[name]) for name in set(names)}
+            self.programs: dict[tuple, tuple[str, ...]] = {}     # an entry's `where` -> the programs of its ranks
+            self.entries: dict[str, list] = {}
+            for entry in plan.interior:
+                self.entries.setdefault(entry.tensor, []).append(entry)
+        for entry in plan.interior:
+            where, slices = self._split(entry)
+            if blocks is not None and self._moves(entry, where):
+                continue
+            made = [claim.on(entry.logical) for claim in slices]
+            tensor = entry.tensor
+            for rank, number in where:
+                self.made[rank, tensor] = made[number]
+        if blocks is not None:
+            self._unstated()
+
+    def _split(self, entry) -> tuple[list[tuple[int, int]], list[Claim]]:
+        split = (entry.where, entry.slice, entry.partial, self.shapes[entry.logical])
+        found = self.regions.get(split)
         if found is None:
-            where = [int(r) for r in np.flatnonzero(_on(plan.selects(entry), ranks))]
+            plan, shape = self.plan, split[-1]
+            where = [int(r) for r in np.flatnonzero(_on(plan.selects(entry), self.ranks))]
             places: dict[tuple, int] = {}
             numbers = [places.setdefault(region(plan, entry, rank, shape), len(places)) for rank in where]
-            found = regions[split] = list(zip(where, numbers)), [Claim("", *place, given=True) for place in places]
-        where, slices = found
-        made = [claim.on(entry.logical) for claim in slices]
-        tensor = entry.tensor
-        for rank, number in where:
-            out[rank, tensor] = made[number]
-    return out
+            found = self.regions[split] = list(zip(where, numbers)), [Claim("", *place, given=True) for place in places]
+        return found
+
+    def _moves(self, entry, where: list[tuple[int, int]]) -> bool:
+        """Is the entry, of an op of microbatch k, on every rank it selects its counterpart's entry moved to block k
+        (then noted in `moved`)? Both must be their tensors' only entries, on the same logical tensor, ranks and
+        partial axes, their regions moved alike (checked once per pair of splits)."""
+        programs = self.programs.get(entry.where)
+        if programs is None:
+            programs = self.programs[entry.where] = tuple({self.program_of[rank]: None for rank, _ in where})
+        paired = {self.pairs[name].get(entry.tensor) for name in programs}
+        if len(paired) != 1 or None in paired or len(self.entries[entry.tensor]) != 1:
+            return False
+        (base, k), = paired
+        first = self.entries.get(base, ())
+        if len(first) != 1 or (first[0].logical, first[0].where, first[0].partial) != \
+                (entry.logical, entry.where, entry.partial):
+            return False
+        tag = self.blocks.tags.get(entry.logical)      # what moving reads of the logical tensor
+        key = (first[0].slice, entry.slice, entry.where, entry.partial, self.shapes[entry.logical], k, tag)
+        alike = self.alike.get(key)
+        if alike is None:
+            (where0, slices0), slices = self._split(first[0]), self._split(entry)[1]
+            on = entry.logical
+            alike = self.alike[key] = [r for r, _ in where0] == [r for r, _ in where] and all(
+                self.blocks.moves_to(slices0[n0].on(on), k, slices[n].on(on)) for (_, n0), (_, n) in zip(where0, where))
+        if not alike:
+            return False
+        for name in programs:
+            self.moved.setdefault(name, {})[entry.tensor] = base, k
+        self.unmade += len(where)
+        return True
+
+    def _unstated(self) -> None:
+        """Microbatch k's ops that no entry states a claim for, nor their counterparts: none either way."""
+        for name, pairs in self.pairs.items():
+            moved = self.moved.setdefault(name, {})
+            for op, (base, k) in pairs.items():
+                if op not in self.entries and base not in self.entries:
+                    moved[op] = base, k
+
+
+def _pairs(program) -> dict[str, tuple[str, int]]:
+    """Each float op of a microbatch k ≥ 1 → (its counterpart among microbatch 0's ops, k) (`counterparts`)."""
+    mb = {node.name: node.get_meta("mb") for node in program.nodes if node.dtype == "float"}
+    return {op: (base, mb[op]) for op, base in counterparts(program).items() if op in mb}
+
+
+class Claims(MutableMapping):
+    """Claims by (rank, program tensor), microbatch k's stated ones made when asked.
+
+    A frontier plan's intermediate lineage states a claim for every op of every microbatch on every rank that is
+    not mirrored (llama3-70b at dp=16,tp=8,pp=4,mb=32: 5 M), and microbatch k's entries are microbatch 0's renamed
+    (`tv_ray.plan_repeats`). Where an entry gives every rank it selects exactly its counterpart's claim moved to
+    block k (`Blocks.move`, checked once per pair of splits: `_Stated`), the claim is not made: `moved` maps the
+    program's op to (its counterpart, k) and `get` moves the counterpart's claim when asked. Every other claim is
+    in `made`. The table is the one made in full — `dict(claims)` makes it (tests/partition/test_claims.py) — and
+    an op in `moved` holds, on every rank of its program, its counterpart's claim moved (no claim for both alike):
+    what stage generation otherwise checks op by op (`Renamed._renamed_run`)."""
+
+    def __init__(self, made: dict[tuple[int, str], Claim], moved: dict[str, dict[str, tuple[str, int]]] | None = None,
+                 plan: Plan | None = None, blocks: "Blocks | None" = None, unmade: int = 0):
+        self.made, self.moved, self.blocks, self.unmade = made, moved or {}, blocks, unmade
+        self.program_of: list[str] = []
+        self._of_rank = None            # rank -> its program's `moved`
+        self._memo: dict[tuple[int, int], Claim] = {}     # (id of a claim in `made`, k) -> it moved to block k
+        if self.moved:
+            names, ids = plan.rank_programs()
+            self.program_of = [names[i] for i in ids]
+            self._of_rank = [self.moved.get(name, {}) for name in self.program_of]
+
+    def get(self, key: tuple[int, str], default=None):
+        claim = self.made.get(key)
+        if claim is not None or self._of_rank is None:
+            return default if claim is None else claim
+        pair = self._of_rank[key[0]].get(key[1])
+        first = self.made.get((key[0], pair[0])) if pair is not None else None
+        if first is None:
+            return default
+        memo = id(first), pair[1]               # a claim shared by ranks (a region's) is moved once
+        claim = self._memo.get(memo)
+        if claim is None:
+            claim = self._memo[memo] = self.blocks.move(first, pair[1])
+        return claim
+
+    def __getitem__(self, key: tuple[int, str]) -> Claim:
+        claim = self.get(key)
+        if claim is None:
+            raise KeyError(key)
+        return claim
+
+    def __contains__(self, key) -> bool:
+        return self.get(key) is not None
+
+    def __iter__(self):
+        yield from self.made
+        for rank, moved in enumerate(self._of_rank or ()):
+            for op, (base, _) in moved.items():
+                if (rank, base) in self.made:
+                    yield rank, op
+
+    def __len__(self) -> int:
+        return len(self.made) + self.unmade
+
+    def all_moved(self, program: str, ops) -> bool:
+        """Does every op of `ops` (of `program`) hold its counterpart's claim moved, on every rank?"""
+        moved = self.moved.get(program)
+        return moved is not None and all(op in moved for op in ops)
+
+    def kinds(self) -> Counter:
+        """How many claims are boundary, stated (intermediate lineage) or inferred (matched by value)."""
+        made = Counter("boundary" if c.boundary else "stated" if c.given else "inferred" for c in self.made.values())
+        return made + Counter({"stated": self.unmade}) if self.unmade else made
+
+    def partial_axes(self) -> set[str]:
+        """Every mesh axis some claim is a partial sum over (a moved claim's are its counterpart's)."""
+        return {axis for claim in self.made.values() for axis in claim.partial}
+
+    def __setitem__(self, key: tuple[int, str], claim: Claim) -> None:
+        """Set a claim; the claims moved from the one it replaces, or beside it, stay as they were."""
+        self.make_around([key])
+        self._memo.clear()              # by the ids of claims in `made`: one of them may go
+        self.made[key] = claim
+
+    def __delitem__(self, key: tuple[int, str]) -> None:
+        if self.pop(key) is None:
+            raise KeyError(key)
+
+    def pop(self, key: tuple[int, str], default=None):
+        """Take a claim out (a refuted guess); the claims moved from it, or beside it, stay as they were."""
+        self.make_around([key])
+        self._memo.clear()
+        return self.made.pop(key, default)
+
+    def make_around(self, keys) -> None:
+        """Make, and keep made, the moved claims of the ops of `keys` and of the ops moved from them, on every rank
+        of their programs: a claim set or taken there by key must not change theirs."""
+        if self._of_rank is None:
+            return
+        bases: dict[str, set[str]] = {}     # program -> the ops its moved ops are moved from
+        for rank, tensor in keys:
+            name = self.program_of[rank]
+            moved = self.moved.get(name, {})
+            if name not in bases:
+                bases[name] = {base for base, _ in moved.values()}
+            if tensor in moved:
+                self._make(name, tensor)
+            if tensor in bases[name]:
+                for op in [op for op, (base, _) in moved.items() if base == tensor]:
+                    self._make(name, op)
+
+    def _make(self, program: str, op: str) -> None:
+        base, k = self.moved[program].pop(op)
+        for rank, name in enumerate(self.program_of):
+            first = self.made.get((rank, base)) if name == program else None
+            if first is not None:
+                self.made[rank, op] = self.blocks.move(first, k)
+                self.unmade -= 1
+
+
+def stated_claims(plan: Plan, logical_shapes: dict[str, tuple[int, ...]], ranks: np.ndarray | None = None,
+                  blocks: "Blocks | None" = None) -> Claims:
+    """The claims of the plan's lineage alone, boundary and intermediate (on `ranks`: all); with `blocks`, microbatch
+    k's intermediate ones made when asked where they are their counterparts' moved (`Claims`)."""
+    inputs, outputs = input_claims(plan, logical_shapes, ranks), output_claims(plan, logical_shapes, ranks)
+    stated = _Stated(plan, logical_shapes, ranks, blocks)
+    claims = Claims(stated.made, stated.moved, plan, blocks, stated.unmade)
+    claims.make_around(itertools.chain(inputs, outputs))     # a boundary claim overrides a stated one
+    return Claims({**inputs, **claims.made, **outputs}, claims.moved, plan, blocks, claims.unmade)
 
 
 def token_data(shape: tuple[int, ...], high: int, rng: np.random.Generator, digit: int | None) -> np.ndarray:
@@ -421,5 +617,5 @@ def infer_claims(plan: Plan, runs: list[ConcreteRun], fixed: dict[tuple[int, str
     return claims
 
 
-__all__ = ["Claim", "ConcreteRun", "run_concrete", "infer_claims", "output_claims", "interior_claims",
+__all__ = ["Claim", "Claims", "stated_claims", "ConcreteRun", "run_concrete", "infer_claims", "output_claims", "interior_claims",
            "LogicalIndex", "candidates", "group_value"]

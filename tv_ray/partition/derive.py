@@ -26,8 +26,8 @@ from typing import Iterable
 import numpy as np
 
 from tv_ray.errors import ClaimsMissing
-from tv_ray.partition.claims import (Claim, ConcreteRun, group_value, infer_claims, input_claims, interior_claims,
-                                    output_claims, runs_for)
+from tv_ray.partition.claims import (Claims, ConcreteRun, group_value, infer_claims, input_claims, interior_claims,
+                                    output_claims, runs_for, stated_claims)
 from tv_ray.partition.generate import ops_of, partition
 from tv_ray.partition.ids import StageId
 from tv_ray.partition.stages import Partition
@@ -65,7 +65,7 @@ class Derivation:
     mirrors: Mirrors | None
     notes: list[str]                           # why ranks were not mirrored
     runs: list[ConcreteRun]
-    claims: dict[tuple[int, str], Claim]
+    claims: Claims
     deviations: list[dict]                     # program outputs wrong in the concrete runs, largest first
     partition: Partition | None = None
     dropped: list[tuple[int, str]] = field(default_factory=list)
@@ -84,9 +84,9 @@ class Derivation:
         try:
             self.partition = cut()
         except ClaimsMissing:         # symmetry failed mid-run: every rank runs in full, on claims of its own
-            claims = claims_for(self.plan, self.reduction.reduced, self.settings.seed, runs=self.runs)[1]
-            dropped = set(self.dropped)
-            self.claims = {key: c for key, c in claims.items() if key not in dropped}
+            self.claims = claims_for(self.plan, self.reduction.reduced, self.settings.seed, runs=self.runs)[1]
+            for key in self.dropped:
+                self.claims.pop(key)
             self.complete = True
             self.partition = cut()
         self.partition.symmetry = self.notes + self.partition.symmetry
@@ -108,18 +108,18 @@ def claims_for(plan: Plan, dims: dict[str, int], seed: int = 0, ranks: np.ndarra
 
     A plan larger than `CONCRETE_LIMIT` op executions is not run concretely: its claims are its lineage
     (boundary and intermediate) alone, made only on `ranks`, nothing is matched by value and no output is
-    checked at a point — which changes only where stages are cut, never what a proof needs."""
+    checked at a point — which changes only where stages are cut, never what a proof needs. There microbatch
+    k's stated claims that are microbatch 0's moved (by `blocks`) are made when asked (`Claims`)."""
     if ops_of(plan, range(plan.num_ranks)) > CONCRETE_LIMIT:
         shapes = {s.name: instantiate_shape(s.shape, dims) for s in plan.logical.inputs}
         shapes |= {n.name: instantiate_shape(n.shape, dims) for n in plan.logical.nodes}
-        return [], {**input_claims(plan, shapes, ranks), **interior_claims(plan, shapes, ranks),
-                    **output_claims(plan, shapes, ranks)}
+        return [], stated_claims(plan, shapes, ranks, blocks)
     runs = runs or runs_for(plan, dims, seed)[0]
     shapes = {name: value.shape for name, value in runs[0].logical.items()}
     fixed = {**input_claims(plan, shapes, ranks), **interior_claims(plan, shapes, ranks),
              **output_claims(plan, shapes, ranks)}
     eligible = [name for name, value in runs[0].logical.items() if value.dtype.kind == "f"]
-    return runs, infer_claims(plan, runs, fixed, eligible, ranks, blocks)
+    return runs, Claims(infer_claims(plan, runs, fixed, eligible, ranks, blocks))
 
 
 def derived_claims(plan: Plan, dims: dict[str, int], found: Mirrors | None, symmetry: bool = True, seed: int = 0):

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from tv_ray.errors import Asymmetric, ClaimsMissing, Unshardable
 from tv_ray.ir.ops import COLLECTIVES
-from tv_ray.partition.claims import Claim
+from tv_ray.partition.claims import Claim, Claims
 from tv_ray.partition.dag import depths
 from tv_ray.partition.logical import LogicalTerms
 from tv_ray.partition.microbatches import Shifts
@@ -90,7 +90,7 @@ def ops_of(plan: Plan, ranks: Iterable[int]) -> int:
     return sum(len(plan.programs[names[ids[r]]].nodes) for r in ranks)
 
 
-def pipeline_shards(plan: Plan, claims: dict[tuple[int, str], Claim]) -> list[frozenset[int]] | None:
+def pipeline_shards(plan: Plan, claims: Claims) -> list[frozenset[int]] | None:
     """The ranks of each pipeline stage, when no collective or partial claim joins two stages; else None."""
     size = plan.axis_sizes.get(AXIS, 1)
     if size < 2:
@@ -99,7 +99,7 @@ def pipeline_shards(plan: Plan, claims: dict[tuple[int, str], Claim]) -> list[fr
     for name in {names[i] for i in ids}:
         if any(node.op in COLLECTIVES and AXIS in node.attr["axes"] for node in plan.programs[name].nodes):
             return None
-    if any(AXIS in claim.partial for claim in claims.values()):
+    if AXIS in claims.partial_axes():
         return None
     stage = [plan.coords(r)[AXIS] for r in range(plan.num_ranks)]
     return [frozenset(r for r in range(plan.num_ranks) if stage[r] == s) for s in range(size)]
@@ -226,7 +226,7 @@ def partition(plan: Plan, dims: dict[str, int], claims: dict[tuple[int, str], Cl
     # dp=16,tp=8,pp=4,mb=32: stages 1,191 s with it, 929 s without it in the run; the logical graph 2.5x; 8 % more
     # in the instantiation map and assembly, at 4 layers): generation builds no cycles worth collecting
     with gc_paused():
-        return _partition(plan, dims, claims, symmetry, progress, shards, generate, groups, templates, complete,
+        return _partition(plan, dims, claims if isinstance(claims, Claims) else Claims(dict(claims)), symmetry, progress, shards, generate, groups, templates, complete,
                           virtual, renamed)
 
 
@@ -246,7 +246,7 @@ def _partition(plan, dims, claims, symmetry, progress, shards, generate, groups,
             return _mirrored(plan, dims, claims, renamings, logical, notes, split, bar, generate, groups)
         except Asymmetric as why:
             notes.append(f"symmetry: {why}; every rank run in full")
-            have = {r for r, _ in claims}
+            have = {r for r, _ in claims.made}        # a moved claim's rank holds its counterpart's
             if found and (not complete or any(rank not in have for rank in found.rep)):
                 raise ClaimsMissing(f"data-parallel symmetry failed during the run ({why}) and the claims of the "
                                     f"mirrored ranks were never built; run with --no-symmetry") from None

@@ -234,7 +234,8 @@ class Run:
     else it reads comes from before the stretch (an entry) as its counterpart's does. `Renamed._renamed_run` takes
     it at once."""
 
-    __slots__ = ("start", "k", "nodes", "bases", "entries", "wiring", "alone", "live", "frees", "gone", "floats")
+    __slots__ = ("start", "k", "nodes", "bases", "entries", "wiring", "alone", "live", "frees", "gone", "floats",
+                 "claims_moved")
 
     def __init__(self, nodes, at: dict[str, int], pairs: dict[str, str], frees: list[list[str]], start: int,
                  stop: int):
@@ -255,6 +256,7 @@ class Run:
         self.frees = tuple(name for name in freed if at.get(name, -1) < start)
         self.gone = tuple(node.name for node in self.nodes if node.name in freed)     # its own values read last in it
         self.floats = tuple(node.name for node in self.nodes if node.dtype == "float")    # the ops a claim may cut
+        self.claims_moved: bool | None = None       # their claims are their counterparts' moved (`_claims_moved`)
 
 
 def runs(program: Graph, pairs: dict[str, str], frees: list[list[str]], at: dict[str, int]) -> dict[int, Run]:
@@ -309,6 +311,8 @@ class Renamed:
         self._segment_checks: dict[tuple, list] = {}    # (rank, a run's counterparts) -> its segments' (`_segments`)
         self._segment_at: dict[int, dict[int, tuple]] = {}    # rank -> segments ahead by first position
         self.shifted = array("i"), array("i")     # (microbatch 0's stage, k) of each stage kept as a copy
+        # the claims, where they hold microbatch k's ops' claims as their counterparts' moved by this run's blocks
+        self._stated = self.claims if on and getattr(self.claims, "blocks", None) == self.moves.blocks else None
 
     def _keep(self, state, node, value) -> None:
         """After a counterpart's op on a rank reading block 0: its value, for the ops paired with it."""
@@ -390,14 +394,16 @@ class Renamed:
                 return False
         if not all(any(moved[e] for e in alone) for alone in segment.alone):
             return False
-        claims, moves_to, paired = self.claims.get, self.moves.blocks.moves_to, self.moves.pairs.get(k, {})
-        for name, claim0 in zip(segment.floats, checked.claims):
-            claim = claims((rank, name))
-            if claim is None:
-                if claim0 is not None:
+        if not self._claims_moved(state.name, segment):
+            claims, moves_to = self.claims.get, self.moves.blocks.moves_to
+            for name, claim0 in zip(segment.floats, checked.claims):
+                claim = claims((rank, name))
+                if claim is None:
+                    if claim0 is not None:
+                        return False
+                elif claim0 is None or not moves_to(claim0, k, claim):
                     return False
-            elif claim0 is None or not moves_to(claim0, k, claim):
-                return False
+        paired = self.moves.pairs.get(k, {})
         for i, at in checked.group_cuts:     # a partial cut's free parts pair with its counterpart's (`_moved_part`)
             cid = StageId.group(at.members, segment.nodes[i].name)
             if paired.get(at.first, cid) != cid or paired.get(cid, at.first) != at.first:
@@ -410,6 +416,14 @@ class Renamed:
                 return False
         self._take_segment(state, segment, checked)
         return True
+
+    def _claims_moved(self, program: str, segment: Run) -> bool:
+        """Is every float op's claim in the segment its counterpart's moved by the claims' making (`Claims.moved`:
+        on every rank of the program, by the blocks this run moves by), so that no op needs checking?"""
+        moved = segment.claims_moved
+        if moved is None:
+            moved = segment.claims_moved = self._stated is not None and self._stated.all_moved(program, segment.floats)
+        return moved
 
     def _segment_reads(self, rank: int, segment: Run, groups, within, entries) -> frozenset:
         """The claims read by the segment's cuts `within` (each cut by `groups`) and by what its entries `entries`

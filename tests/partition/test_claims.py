@@ -1,0 +1,99 @@
+"""Claims made when asked (`Claims`): microbatch k's stated claims that are their counterparts' moved are not made
+one by one, and the table they make is exactly the one made in full — so the stages, keys and copies are too."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+
+from tv_ray import api
+from tv_ray.partition.claims import Claims, input_claims, interior_claims, output_claims, stated_claims
+from tv_ray.partition.derive import unmirrored
+from tv_ray.partition.generate import partition
+from tv_ray.partition.symmetry import find_mirrors, microbatch_moves
+from tv_ray.plan import Fixed
+from tv_ray.reduce import reduce_plan
+from tv_ray.semantics.table import instantiate_shape
+
+
+def _setting(plan):
+    """(dims, mirrors, the blocks microbatches move by, the ranks claims are made on, logical shapes)."""
+    dims = reduce_plan(plan).reduced
+    found, _ = find_mirrors(plan, dims, True)
+    moves = microbatch_moves(plan, dims, found, True)
+    shapes = {s.name: instantiate_shape(s.shape, dims) for s in plan.logical.inputs}
+    shapes |= {n.name: instantiate_shape(n.shape, dims) for n in plan.logical.nodes}
+    return dims, found, moves.blocks, unmirrored(plan, found), shapes
+
+
+def _in_full(plan, shapes, ranks) -> dict:
+    """The claims of the plan's lineage, every one made (as `claims_for` made them before `Claims`)."""
+    return {**input_claims(plan, shapes, ranks), **interior_claims(plan, shapes, ranks),
+            **output_claims(plan, shapes, ranks)}
+
+
+@pytest.fixture(scope="module", params=[("llama3-tiny", "dp=2,tp=2,pp=2,mb=4"), ("llama3-tiny", "tp=2,mb=4"),
+                                        ("gpt2-tiny", "dp=2,tp=2,mb=2")], ids=lambda p: f"{p[0]}-{p[1]}")
+def planned(request):
+    model, spec = request.param
+    plan = api.parallelize(api.capture_step(model, optim="adamw", clip=1.0), spec, model=model)
+    return (plan, *_setting(plan))
+
+
+def test_claims_made_when_asked_are_the_claims_made_in_full(planned):
+    plan, dims, found, blocks, ranks, shapes = planned
+    claims, full = stated_claims(plan, shapes, ranks, blocks), _in_full(plan, shapes, ranks)
+    assert claims.unmade > len(full) // 4              # microbatch k's claims are not made
+    assert len(claims.made) + claims.unmade == len(claims) == len(full)
+    assert dict(claims) == full
+    assert all(claims[key] == claim for key, claim in full.items())
+    assert claims.kinds() == Counter("boundary" if c.boundary else "stated" if c.given else "inferred"
+                                     for c in full.values())
+    assert claims.partial_axes() == {axis for c in full.values() for axis in c.partial}
+
+
+def test_the_stages_are_the_same_with_claims_made_when_asked(planned):
+    plan, dims, found, blocks, ranks, shapes = planned
+
+    def stages(claims):
+        part = partition(plan, dims, claims, found or True, shards=False)
+        return sorted((str(o.id), o.ranks, sorted(map(str, o.reads)), str(o.claim), o.key) for o in part.every())
+    assert stages(stated_claims(plan, shapes, ranks, blocks)) == stages(Claims(_in_full(plan, shapes, ranks)))
+
+
+def test_an_entry_that_is_not_its_counterparts_moved_is_made_as_it_says():
+    """Microbatch 1's entry of one op names microbatch 0's samples: it is no move of its counterpart's, so it is
+    made as stated (and stage generation checks that op's claim itself), and the table is still the one in full."""
+    plan = api.parallelize(api.capture_step("llama3-tiny", optim="adamw", clip=1.0), "tp=2,mb=2", model="llama3-tiny")
+    at, entry = next((i, e) for i, e in enumerate(plan.interior) if e.tensor.endswith("@1") and any(
+        isinstance(f, Fixed) and f.index == 1 for _, factors in e.slice for f in factors))
+    wrong = replace(entry, slice=tuple((dim, tuple(Fixed(0, f.of) if isinstance(f, Fixed) else f for f in factors))
+                                       for dim, factors in entry.slice))
+    plan = replace(plan, interior=plan.interior[:at] + (wrong,) + plan.interior[at + 1:])
+    dims, found, blocks, ranks, shapes = _setting(plan)
+    claims, full = stated_claims(plan, shapes, ranks, blocks), _in_full(plan, shapes, ranks)
+    assert all(wrong.tensor not in moved for moved in claims.moved.values())
+    assert any(key[1] == wrong.tensor for key in claims.made)
+    assert dict(claims) == full
+    stages = [sorted((str(o.id), str(o.claim), o.key) for o in partition(plan, dims, c, found or True).every())
+              for c in (claims, Claims(full))]
+    assert stages[0] == stages[1]
+
+
+def test_a_claim_set_or_taken_leaves_the_others_as_they_were(planned):
+    """Setting or dropping a claim (a refuted guess) changes that key alone: the claims moved from it are made
+    first, as they were."""
+    plan, dims, found, blocks, ranks, shapes = planned
+    claims, full = stated_claims(plan, shapes, ranks, blocks), _in_full(plan, shapes, ranks)
+    program, moved = next((name, moved) for name, moved in claims.moved.items() if moved)
+    op, (base, k) = next((op, pair) for op, pair in moved.items() if any(key[1] == pair[0] for key in claims.made))
+    rank = next(r for r, t in claims.made if t == base)
+    assert claims.pop((rank, base)) == full.pop((rank, base))
+    assert op not in claims.moved[program] and claims[rank, op] == full[rank, op]
+    other = next((o, pair) for o, pair in claims.moved[program].items() if (rank, pair[0]) in claims.made)[0]
+    claims[rank, other] = full[rank, other] = replace(full[rank, other], offsets=(0,) * len(full[rank, other].offsets))
+    assert other not in claims.moved[program]
+    assert dict(claims) == full
+    with pytest.raises(KeyError):
+        claims[rank, "nowhere"]
