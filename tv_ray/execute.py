@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict, deque
+from typing import Callable
 
 import numpy as np
 
@@ -55,7 +56,7 @@ class Scheduler:
         self.plan, self.dims = plan, dims
         self.order: list[tuple[int, str]] | None = [] if keep else None
         names, ids = plan.rank_programs()
-        self.frees = _Frees(plan, keep)
+        self.frees = PerProgram(plan, lambda program: _frees(program, keep))
         self.ranks = [_Rank(r, names[ids[r]], plan.programs[names[ids[r]]], rank_inputs[r],
                             Context(plan.axis_sizes, plan.coords(r))) for r in range(plan.num_ranks)]
         self.active = self.ranks        # the ranks `run` steps (a symbolic run may own a subset)
@@ -227,16 +228,16 @@ class Scheduler:
         return ("deadlock: " + "; ".join(waits) + (f"; sent but never received: {', '.join(unread)}" if unread else ""))
 
 
-class _Frees(dict):
-    """Program name -> `_frees` of it, found when first asked (a run stepping some ranks asks for their
-    programs' alone: a pipeline shard's of a frontier plan, one of its four 165k-op programs)."""
+class PerProgram(dict):
+    """Program name -> `made(program)`, made when first asked (a run stepping some ranks asks for their programs'
+    alone: a pipeline shard's of a frontier plan, one of its four 165k-op programs)."""
 
-    def __init__(self, plan: Plan, keep: bool):
+    def __init__(self, plan: Plan, made: Callable[[Graph], object]):
         super().__init__()
-        self.plan, self.keep = plan, keep
+        self.plan, self.made = plan, made
 
-    def __missing__(self, name: str) -> list[list[str]]:
-        found = self[name] = _frees(self.plan.programs[name], self.keep)
+    def __missing__(self, name: str):
+        found = self[name] = self.made(self.plan.programs[name])
         return found
 
 

@@ -2,6 +2,7 @@
 one by one, and the table they make is exactly the one made in full — so the stages, keys and copies are too."""
 from __future__ import annotations
 
+import pickle
 from collections import Counter
 from dataclasses import replace
 
@@ -51,6 +52,8 @@ def test_claims_made_when_asked_are_the_claims_made_in_full(planned):
     assert claims.kinds() == Counter("boundary" if c.boundary else "stated" if c.given else "inferred"
                                      for c in full.values())
     assert claims.partial_axes() == {axis for c in full.values() for axis in c.partial}
+    sent = pickle.loads(pickle.dumps(claims))          # to a Ray task: its moved claims are made there alike
+    assert not sent._memo and dict(sent) == full
 
 
 def test_the_stages_are_the_same_with_claims_made_when_asked(planned):

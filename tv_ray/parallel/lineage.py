@@ -18,9 +18,9 @@ from tv_ray.parallel.lower import MB, Lowering
 from tv_ray.plan import Fixed, Lineage
 
 
-def _region(layout: Layout, mb_index: int | None, microbatches: int) -> tuple[tuple, tuple] | str:
-    """The (slice, partial) a tensor of `layout` holds (its microbatch split at `mb_index`), as in a `Lineage`, or
-    why the layout has none."""
+def _region(layout: Layout) -> tuple[tuple, tuple] | str:
+    """The (slice, partial) a tensor of `layout` holds, as in a `Lineage` but with its microbatch split still the
+    axis MB (`_at_microbatch`), or why the layout has none."""
     slices = []
     for d, dim in enumerate(layout.dims):
         cut = [f for f in dim if f.axes]
@@ -28,7 +28,7 @@ def _region(layout: Layout, mb_index: int | None, microbatches: int) -> tuple[tu
             continue
         if dim[0].axes != cut[0].axes or len(cut) > 1:
             return f"has a strided layout {layout}; lineage needs contiguous slices"
-        slices.append((d, tuple(a if a != MB else Fixed(mb_index, microbatches) for a in dim[0].axes)))
+        slices.append((d, dim[0].axes))
     if any(kind != "sum" for _, kind in layout.partial):
         return "is a partial max; reduce it first"
     if any(a == MB for a, _ in layout.partial):
@@ -36,21 +36,33 @@ def _region(layout: Layout, mb_index: int | None, microbatches: int) -> tuple[tu
     return tuple(slices), tuple(a for a, _ in layout.partial)
 
 
+def _at_microbatch(region: tuple[tuple, tuple], mb_index: int | None, microbatches: int) -> tuple[tuple, tuple]:
+    """A `_region`'s microbatch split as the fixed factor of microbatch `mb_index`."""
+    slices, partial = region
+    return tuple((d, tuple(a if a != MB else Fixed(mb_index, microbatches) for a in axes)) for d, axes in slices), \
+        partial
+
+
 def lineage_entry(tensor: str, logical: str, layout: Layout, where: Mapping[str, int], mb_index: int | None,
                   microbatches: int) -> Lineage:
-    region = _region(layout, mb_index, microbatches)
+    region = _region(layout)
     if isinstance(region, str):
         raise ParallelConfigError(f"boundary tensor {tensor} {region}")
-    return Lineage(tuple(where.items()), tensor, logical, *region)
+    return Lineage(tuple(where.items()), tensor, logical, *_at_microbatch(region, mb_index, microbatches))
 
 
 def interior_entries(lowering: Lowering, logical: Graph, program: Graph, where: Mapping[str, int]) -> list[Lineage]:
     """Intermediate lineage for the ops of one stage program (a received copy holds what was sent)."""
     entries = []
     pinned = tuple(where.items())
-    # (layout, microbatch) -> `_region`, a frontier plan having 10^5 ops: by the layout's identity (the lowering
-    # holds each layout, and shares it between the ops it gives it), not its hash of nested tuples
-    regions: dict[tuple, tuple | str] = {}
+    # layout -> `_region` with its microbatch split left as MB, a frontier plan having 10^5 ops: by the layout's
+    # identity (the lowering holds each layout, and shares it between the ops it gives it — every microbatch's copy
+    # of an op), not its hash of nested tuples; each distinct region kept once (`alike`), and (region, microbatch)
+    # -> the region at that microbatch
+    shapes: dict[int, tuple | str] = {}
+    alike: dict[tuple, tuple] = {}
+    regions: dict[tuple, tuple] = {}
+    micro = lowering.microbatches
     for node in program.nodes:
         source = node.name.split("<")[0] if node.op == Op.RECV else node.name
         held = lowering.holds.get(source)
@@ -59,9 +71,14 @@ def interior_entries(lowering: Lowering, logical: Graph, program: Graph, where: 
         name, layout, mb_index = held
         if name not in logical or logical.dtype_of(name) != "float":
             continue
-        region = regions.get((id(layout), mb_index))
+        shape = shapes.get(id(layout))
+        if shape is None:
+            shape = _region(layout)
+            shape = shapes[id(layout)] = shape if isinstance(shape, str) else alike.setdefault(shape, shape)
+        if isinstance(shape, str):
+            continue
+        region = regions.get((id(shape), mb_index))
         if region is None:
-            region = regions[id(layout), mb_index] = _region(layout, mb_index, lowering.microbatches)
-        if not isinstance(region, str):
-            entries.append(Lineage(pinned, node.name, name, *region))
+            region = regions[id(shape), mb_index] = _at_microbatch(shape, mb_index, micro)
+        entries.append(Lineage(pinned, node.name, name, *region))
     return entries

@@ -140,9 +140,12 @@ class Stager:
     def _members(self, stage, producers) -> dict[int, list[str]]:
         """The ops each stage runs: its own, plus the floating ops they (transitively) read."""
         members = {}
+        own: dict[int | None, list[str]] = {}       # each stage's own ops
+        for n, st in stage.items():
+            if n in producers:
+                own.setdefault(st, []).append(n)
         for s in range(self.pp):
-            todo = [n for n, st in stage.items() if st == s and n in producers]
-            todo += [v for out, v in self.program.outputs if self._home(out, v, stage) == s]
+            todo = own.get(s, []) + [v for out, v in self.program.outputs if self._home(out, v, stage) == s]
             closure: set[str] = set()
             while todo:
                 v = todo.pop()
@@ -213,39 +216,43 @@ class Stager:
             units += [("fwd", warm + i), ("bwd", i)]
         units += [("bwd", m) for m in range(self.mb - warm, self.mb)]
         rank = {u: i + 1 for i, u in enumerate(units)}
-        member = set(names)
         index = {n: i for i, n in enumerate(names)}
         prio: dict[str, int] = {}
         data = {spec.name for spec in self.program.inputs if spec.role == "data"}
+        last = len(units) + 1
         for n in names:
             node = producers[n]
-            mb = node.get_meta("mb")
-            kind = phase[n]
-            base = [prio[a] for a in node.args if a in prio]
-            if all(a in data for a in node.args):
+            if data.issuperset(node.args):
                 data.add(n)
                 prio[n] = 0     # data-only work (token counts for the global loss scale) first: no unit waits on it
-            elif kind == "optim":
-                prio[n] = len(units) + 1
-            elif mb is not None and (kind, mb) in rank:
-                prio[n] = max([rank[(kind, mb)]] + base)
-            else:
-                prio[n] = max(base, default=0)
-        deps = {n: [a for a in producers[n].args if a in member] for n in names}
-        users: dict[str, list[str]] = {n: [] for n in names}
-        for n, ds in deps.items():
-            for d in ds:
-                users[d].append(n)
-        waiting = {n: len(ds) for n, ds in deps.items()}
-        ready = [(prio[n], index[n], n) for n in names if waiting[n] == 0]
+                continue
+            kind = phase[n]
+            if kind == "optim":
+                prio[n] = last
+                continue
+            base = max([prio[a] for a in node.args if a in prio], default=0)
+            unit = rank.get((kind, node.get_meta("mb")))
+            prio[n] = base if unit is None or unit < base else unit
+        # ready ops lowest (priority, position) first, each as one integer: priority · len(names) + position
+        width = len(names)
+        waiting = [0] * width
+        users: list[list[int]] = [[] for _ in names]
+        for i, n in enumerate(names):
+            for a in producers[n].args:
+                j = index.get(a)
+                if j is not None:
+                    users[j].append(i)
+                    waiting[i] += 1
+        key = [prio[n] * width + i for i, n in enumerate(names)]
+        ready = [key[i] for i in range(width) if not waiting[i]]
         heapq.heapify(ready)
         out = []
         while ready:
-            _, _, n = heapq.heappop(ready)
-            out.append(n)
-            for u in users[n]:
+            i = heapq.heappop(ready) % width
+            out.append(names[i])
+            for u in users[i]:
                 waiting[u] -= 1
-                if waiting[u] == 0:
-                    heapq.heappush(ready, (prio[u], index[u], u))
+                if not waiting[u]:
+                    heapq.heappush(ready, key[u])
         return out
 

@@ -271,6 +271,15 @@ class Claims(MutableMapping):
             self.program_of = [names[i] for i in ids]
             self._of_rank = [self.moved.get(name, {}) for name in self.program_of]
 
+    def __getstate__(self) -> dict:
+        # the memo goes by object ids, which another process does not share; each rank's map is its program's
+        return {**self.__dict__, "_memo": {}, "_of_rank": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self.moved:
+            self._of_rank = [self.moved.get(name, {}) for name in self.program_of]
+
     def get(self, key: tuple[int, str], default=None):
         claim = self.made.get(key)
         if claim is not None or self._of_rank is None:

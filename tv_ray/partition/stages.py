@@ -44,7 +44,7 @@ import numpy as np
 from tqdm import tqdm
 
 from tv_ray.errors import Asymmetric, TvRayError, Unshardable
-from tv_ray.execute import TOKEN, Scheduler
+from tv_ray.execute import TOKEN, PerProgram, Scheduler
 from tv_ray.ir import Node, Op
 from tv_ray.ir.ops import COLLECTIVES
 from tv_ray.partition.claims import Claim
@@ -387,7 +387,7 @@ class SymbolicRun(StandIns, Renamed, LayerRenamed, Scheduler):
         if owned is not None:
             self.active = [self.ranks[r] for r in sorted(owned)]
         self._stand_in_for(virtual)     # `tv_ray.partition.standins`: mirrored ranks never stepped
-        self._nodes = {name: {n.name: n for n in g.nodes} for name, g in plan.programs.items()}
+        self._nodes = PerProgram(plan, lambda program: {n.name: n for n in program.nodes})    # each op by name
 
     def run(self):
         try:
