@@ -170,20 +170,23 @@ class _Stated:
         self.unmade = 0
         # a frontier plan's entries repeat a few splits (every layer's and microbatch's): each split's regions once,
         # as the ranks' region numbers and a claim on each region; an entry makes one claim per region (`Claim.on`,
-        # shared by the ranks holding it: the tensor-parallel ranks of a replicated activation), not one per rank
+        # shared by the ranks holding it: the tensor-parallel ranks of a replicated activation), not one per rank.
+        # A split by its `where`, its slice (by identity: each distinct slice kept once, `slices`), partial axes and
+        # the logical shape.
+        self.slices: dict[tuple, tuple] = {}
         self.regions: dict[tuple, tuple[list[tuple[int, int]], list[Claim]]] = {}
-        self.alike: dict[tuple, bool] = {}      # (split of microbatch 0's entry, split of k's, k, tag) -> moved alike
+        self.alike: dict[tuple, bool] = {}      # (slice of microbatch 0's entry, split of k's, k, tag) -> moved alike
         if blocks is not None:
             names, ids = plan.rank_programs()
             self.program_of = [names[i] for i in ids]
             self.pairs = {name: _pairs(plan.programs[name]) for name in set(names)}
             self.programs: dict[tuple, tuple[str, ...]] = {}     # an entry's `where` -> the programs of its ranks
-            self.entries: dict[str, list] = {}
-            for entry in plan.interior:
-                self.entries.setdefault(entry.tensor, []).append(entry)
+            self.count = Counter(entry.tensor for entry in plan.interior)       # a tensor's entries
+            self.entry_of = {entry.tensor: entry for entry in plan.interior}
         for entry in plan.interior:
-            where, slices = self._split(entry)
-            if blocks is not None and self._moves(entry, where):
+            split = self._key(entry)
+            where, slices = self._split(entry, split)
+            if blocks is not None and self._moves(entry, split, where):
                 continue
             made = [claim.on(entry.logical) for claim in slices]
             tensor = entry.tensor
@@ -192,8 +195,11 @@ class _Stated:
         if blocks is not None:
             self._unstated()
 
-    def _split(self, entry) -> tuple[list[tuple[int, int]], list[Claim]]:
-        split = (entry.where, entry.slice, entry.partial, self.shapes[entry.logical])
+    def _key(self, entry) -> tuple:
+        shown = self.slices.setdefault(entry.slice, entry.slice)
+        return entry.where, id(shown), entry.partial, self.shapes[entry.logical]
+
+    def _split(self, entry, split: tuple) -> tuple[list[tuple[int, int]], list[Claim]]:
         found = self.regions.get(split)
         if found is None:
             plan, shape = self.plan, split[-1]
@@ -203,33 +209,38 @@ class _Stated:
             found = self.regions[split] = list(zip(where, numbers)), [Claim("", *place, given=True) for place in places]
         return found
 
-    def _moves(self, entry, where: list[tuple[int, int]]) -> bool:
+    def _moves(self, entry, split: tuple, where: list[tuple[int, int]]) -> bool:
         """Is the entry, of an op of microbatch k, on every rank it selects its counterpart's entry moved to block k
         (then noted in `moved`)? Both must be their tensors' only entries, on the same logical tensor, ranks and
         partial axes, their regions moved alike (checked once per pair of splits)."""
         programs = self.programs.get(entry.where)
         if programs is None:
             programs = self.programs[entry.where] = tuple({self.program_of[rank]: None for rank, _ in where})
-        paired = {self.pairs[name].get(entry.tensor) for name in programs}
-        if len(paired) != 1 or None in paired or len(self.entries[entry.tensor]) != 1:
+        if len(programs) != 1:
+            paired = {self.pairs[name].get(entry.tensor) for name in programs}
+            pair = paired.pop() if len(paired) == 1 else None
+        else:
+            pair = self.pairs[programs[0]].get(entry.tensor)
+        if pair is None or self.count[entry.tensor] != 1:
             return False
-        (base, k), = paired
-        first = self.entries.get(base, ())
-        if len(first) != 1 or (first[0].logical, first[0].where, first[0].partial) != \
-                (entry.logical, entry.where, entry.partial):
+        base, k = pair
+        first = self.entry_of.get(base)
+        if first is None or self.count[base] != 1 or first.logical != entry.logical or first.where != entry.where or \
+                first.partial != entry.partial:
             return False
         tag = self.blocks.tags.get(entry.logical)      # what moving reads of the logical tensor
-        key = (first[0].slice, entry.slice, entry.where, entry.partial, self.shapes[entry.logical], k, tag)
+        before = self._key(first)
+        key = (before[1], split, k, tag)
         alike = self.alike.get(key)
         if alike is None:
-            (where0, slices0), slices = self._split(first[0]), self._split(entry)[1]
+            (where0, slices0), slices = self._split(first, before), self._split(entry, split)[1]
             on = entry.logical
             alike = self.alike[key] = [r for r, _ in where0] == [r for r, _ in where] and all(
                 self.blocks.moves_to(slices0[n0].on(on), k, slices[n].on(on)) for (_, n0), (_, n) in zip(where0, where))
         if not alike:
             return False
         for name in programs:
-            self.moved.setdefault(name, {})[entry.tensor] = base, k
+            self.moved.setdefault(name, {})[entry.tensor] = pair
         self.unmade += len(where)
         return True
 
@@ -237,9 +248,9 @@ class _Stated:
         """Microbatch k's ops that no entry states a claim for, nor their counterparts: none either way."""
         for name, pairs in self.pairs.items():
             moved = self.moved.setdefault(name, {})
-            for op, (base, k) in pairs.items():
-                if op not in self.entries and base not in self.entries:
-                    moved[op] = base, k
+            for op, pair in pairs.items():
+                if op not in self.count and pair[0] not in self.count:
+                    moved[op] = pair
 
 
 def _pairs(program) -> dict[str, tuple[str, int]]:
