@@ -228,6 +228,27 @@ def test_a_plan_that_fails_validation_fails_the_check_with_its_error(cert, monke
     assert str(again.value) == said
 
 
+def test_a_plan_file_that_fails_validation_fails_the_verification_with_its_error(cert, tmp_path):
+    """`verify` validates a plan file beside the verification (`checked_beside`): a plan that is not valid ends it
+    with the plan's error, whatever the derivation made of it, and leaves no run to resume."""
+    from tv_ray.errors import PlanError
+    plan = json.loads(gzip.decompress((cert / "plan.json.gz").read_bytes()))
+    program = next(iter(plan["programs"]))
+    plan["programs"][program]["ops"][0]["shape"][-1] = "2"        # parsed as it is; the check computes the shape
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(plan))
+    Plan.load(bad, check=False)
+    started = []
+    with pytest.raises(PlanError) as err:
+        api.verify(str(bad), engine="local", jobs=1, progress=False, checkpoint=tmp_path / "out",
+                   executor=SimpleNamespace(address="here", connect=lambda: started.append(
+                       (tmp_path / "out" / "checkpoint" / "run.json").exists()), close=lambda: None))
+    assert str(err.value) == (f"programs.{program}.ops[0]: node embedding@0 = embedding(embed.weight, tokens@0): "
+                              f"stated shape [2, 16, 2] but embedding of [128, 32] and [2, 16] gives [2, 16, 32]; fix "
+                              f"the stated shape or the inputs")
+    assert started == [True] and not (tmp_path / "out" / "checkpoint" / "run.json").exists()
+
+
 def test_an_edited_manifest_fails(cert):
     manifest = json.loads((cert / "certificate.json").read_text())
     manifest["axioms"] = [*manifest["axioms"], "exp_of_sum"]
