@@ -171,9 +171,8 @@ class _Stated:
         # a frontier plan's entries repeat a few splits (every layer's and microbatch's): each split's regions once,
         # as the ranks' region numbers and a claim on each region; an entry makes one claim per region (`Claim.on`,
         # shared by the ranks holding it: the tensor-parallel ranks of a replicated activation), not one per rank.
-        # A split by its `where`, its slice (by identity: each distinct slice kept once, `slices`), partial axes and
-        # the logical shape.
-        self.slices: dict[tuple, tuple] = {}
+        # A split by its `where`, its slice (by identity: a loaded plan holds each distinct slice once, a plan built
+        # here each region's once), partial axes and the logical shape.
         self.regions: dict[tuple, tuple[list[tuple[int, int]], list[Claim]]] = {}
         self.alike: dict[tuple, bool] = {}      # (slice of microbatch 0's entry, split of k's, k, tag) -> moved alike
         if blocks is not None:
@@ -196,8 +195,7 @@ class _Stated:
             self._unstated()
 
     def _key(self, entry) -> tuple:
-        shown = self.slices.setdefault(entry.slice, entry.slice)
-        return entry.where, id(shown), entry.partial, self.shapes[entry.logical]
+        return entry.where, id(entry.slice), entry.partial, self.shapes[entry.logical]
 
     def _split(self, entry, split: tuple) -> tuple[list[tuple[int, int]], list[Claim]]:
         found = self.regions.get(split)

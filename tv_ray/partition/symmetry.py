@@ -428,9 +428,11 @@ def mirrors(plan: Plan, dims: dict[str, int]) -> Mirrors:
         why[int(rank)] = "its program differs from dp rank 0's"
     shapes = {s.name: instantiate_shape(s.shape, dims) for s in plan.logical.inputs}
     shapes |= {n.name: instantiate_shape(n.shape, dims) for n in plan.logical.nodes}
-    fine: set[tuple] = set()      # what `_entry_problem` reads of entries it found nothing wrong with
+    # what `_entry_problem` reads of entries it found nothing wrong with (a slice by identity: a loaded plan holds each
+    # distinct one once)
+    fine: set[tuple] = set()
     for entry in plan.lineage + tuple(plan.interior):
-        read = (entry.where, entry.slice, blocks.tags.get(entry.logical), shapes.get(entry.logical))
+        read = (entry.where, id(entry.slice), blocks.tags.get(entry.logical), shapes.get(entry.logical))
         if read in fine:
             continue
         problem = _entry_problem(plan, blocks, width, entry, shapes)
