@@ -107,18 +107,11 @@ class Lineage:
             out["partial"] = list(self.partial)
         return out
 
-    def renamed(self, k: int, microbatches: int, memo: dict | None = None) -> "Lineage":
+    def renamed(self, k: int, microbatches: int) -> "Lineage":
         """This entry of microbatch 0's tensor as microbatch k's (a repeat, `tv_ray.plan_repeats`): its tensor
-        renamed, each fixed split factor {index 0, of `microbatches`} at index k. `memo`: (id of a slice, k) -> that
-        slice renamed, kept while the entries holding those slices are (`_parse`: one renamed slice per distinct
-        slice and k)."""
-        if memo is None:
-            cut = _renamed_slice(self.slice, k, microbatches)
-        else:
-            cut = memo.get((id(self.slice), k))
-            if cut is None:
-                cut = memo[id(self.slice), k] = _renamed_slice(self.slice, k, microbatches)
-        return Lineage(self.where, rename(self.tensor, k), self.logical, cut, self.partial)
+        renamed, each fixed split factor {index 0, of `microbatches`} at index k."""
+        return Lineage(self.where, rename(self.tensor, k), self.logical, _renamed_slice(self.slice, k, microbatches),
+                       self.partial)
 
     @staticmethod
     def from_json(obj: Any, path: str) -> "Lineage":
@@ -553,17 +546,16 @@ def _parse(obj: Any) -> Plan:
     raw_interior = obj.get("interior", _OPTIONAL["interior"])
     if not isinstance(raw_interior, list):
         raise PlanError("interior: expected a list of lineage entries")
-    # each distinct slice held once, and renamed once per microbatch: a frontier plan's 10^5 entries repeat a few
-    # slices, and what reads them may key a slice by its identity (`tv_ray.partition.claims`)
+    # each distinct slice parsed held once (a renamed one is, by `_renamed_slice`'s cache): a frontier plan's 10^5
+    # entries repeat a few slices, and what reads them may key a slice by its identity (`tv_ray.partition.claims`)
     shared: dict[tuple, tuple] = {}
-    memo: dict[tuple[int, int], tuple] = {}
 
     def parsed(raw: Any, where: str) -> Lineage:
         entry = Lineage.from_json(raw, where)
         kept = shared.setdefault(entry.slice, entry.slice)
         return entry if kept is entry.slice else replace(entry, slice=kept)
     interior = tuple(expand_entries(raw_interior, microbatches, "interior", parsed,
-                                    lambda entry, k: entry.renamed(k, microbatches, memo)))
+                                    lambda entry, k: entry.renamed(k, microbatches)))
     return Plan(FORMAT, obj["model"], dims, tuple(mesh.items()), microbatches, schedule, logical, programs,
                 ranks, lineage, interior, _parse_recipe(obj.get("recipe", _OPTIONAL["recipe"])))
 

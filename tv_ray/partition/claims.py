@@ -330,7 +330,9 @@ class Claims(MutableMapping):
     def kinds(self) -> Counter:
         """How many claims are boundary, stated (intermediate lineage) or inferred (matched by value)."""
         made = Counter("boundary" if c.boundary else "stated" if c.given else "inferred" for c in self.made.values())
-        return made + Counter({"stated": self.unmade}) if self.unmade else made
+        if self.unmade:
+            made["stated"] += self.unmade
+        return made
 
     def partial_axes(self) -> set[str]:
         """Every mesh axis some claim is a partial sum over (a moved claim's are its counterpart's)."""
@@ -386,7 +388,8 @@ def stated_claims(plan: Plan, logical_shapes: dict[str, tuple[int, ...]], ranks:
     stated = _Stated(plan, logical_shapes, ranks, blocks)
     claims = Claims(stated.made, stated.moved, plan, blocks, stated.unmade)
     claims.make_around(itertools.chain(inputs, outputs))     # a boundary claim overrides a stated one
-    return Claims({**inputs, **claims.made, **outputs}, claims.moved, plan, blocks, claims.unmade)
+    claims.made = {**inputs, **claims.made, **outputs}          # none asked for yet: no moved claim to forget
+    return claims
 
 
 def token_data(shape: tuple[int, ...], high: int, rng: np.random.Generator, digit: int | None) -> np.ndarray:
