@@ -88,6 +88,39 @@ def test_unsupported_op_names_the_op_and_module():
         "to tv_ray.frontend.aten.CONVERTERS or a decomposition to tv_ray.frontend.trace.DECOMPOSITIONS")
 
 
+class _Unused(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = torch.nn.Linear(4, 4, bias=False)
+        self.unused = torch.nn.Linear(4, 4, bias=False)
+
+    def forward(self, x):
+        return self.used(x).sum()
+
+
+class _Buffered(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Linear(4, 4, bias=False)
+        self.register_buffer("shift", torch.ones(4))
+
+    def forward(self, x):
+        return (self.w(x) + self.shift).sum()
+
+
+def test_a_parameter_without_a_gradient_is_named():
+    with pytest.raises(CaptureError) as err:
+        capture(_Unused(), (torch.randn(2, 4),))
+    assert str(err.value) == "parameter unused.weight receives no gradient from the loss"
+
+
+def test_a_buffer_is_refused_at_its_placeholder():
+    with pytest.raises(CaptureError) as err:
+        capture(_Buffered(), (torch.randn(2, 4),))
+    assert str(err.value) == ("node primals_2 (primals_2) in module '<root>': placeholder is neither a parameter nor "
+                              "a forward argument (buffers are not supported)")
+
+
 class _SizeBranch(torch.nn.Module):
     """Adds an op only when seq is large: not shape-polymorphic."""
 

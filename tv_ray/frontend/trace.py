@@ -4,16 +4,21 @@ PyTorch's own autograd derives the backward (`aot_export_module` with
 ``trace_joint=True``); tv_ray never writes a gradient formula. Sizes come from
 fake tensors, so frontier-size modules trace without allocating memory.
 
-Provenance: `aot_export_module` re-traces its internal joint graph and drops
-node metadata on the way. We annotate each submodule call (forward hooks +
-`torch.fx.traceback.annotate`), and read the module path and the phase
-(``partitioner_tag``) back from that internal graph, which each final node
-names in its ``stack_trace`` line (``<name> = torch.ops.aten...``).
+The joint graph taken is `aot_export_module`'s internal one, before the
+export re-traces it only to drop the pytree of its inputs (primals, tangents)
+and outputs (forward outputs, every input's gradient) — most of the time of
+a capture went to that re-trace (llama3 probes: 13.9 → 7.9 s for nine), and
+it dropped the node metadata on the way. Here the placeholders and outputs
+are read by position, as the export's signature reads them (parameters, then
+buffers, then the forward's arguments; the loss, then each input's
+gradient); the converted graph is the one the re-traced graph gave, node for
+node. Provenance: each submodule call is annotated (forward hooks +
+`torch.fx.traceback.annotate`); each node of the joint graph holds that
+module path and its phase (``partitioner_tag``).
 """
 from __future__ import annotations
 
 import contextlib
-import re
 from dataclasses import dataclass
 
 import torch
@@ -100,15 +105,24 @@ def _annotate_modules(model: torch.nn.Module):
             handle.remove()
 
 
+class _Taken(Exception):
+    """Raised inside `aot_export_module` once its joint graph is made: the export's re-trace is not needed."""
+
+    def __init__(self, graph: torch.fx.GraphModule):
+        super().__init__("joint graph taken")
+        self.graph = graph
+
+
 @contextlib.contextmanager
-def _keep_internal_joint(found: list):
-    """Remember the internal joint graph that aot_export_module re-traces (it holds the metadata)."""
+def _take_joint():
+    """Stop `aot_export_module` where it would re-trace its joint graph (`make_fx` of a function closing over it),
+    raising `_Taken` with that graph."""
     original = aot_autograd.make_fx
 
     def make_fx(fn, *args, **kwargs):
         for cell in getattr(fn, "__closure__", None) or ():
             if isinstance(cell.cell_contents, torch.fx.GraphModule):
-                found.append(cell.cell_contents)
+                raise _Taken(cell.cell_contents)
         return original(fn, *args, **kwargs)
 
     aot_autograd.make_fx = make_fx
@@ -118,24 +132,39 @@ def _keep_internal_joint(found: list):
         aot_autograd.make_fx = original
 
 
-_DEFINED = re.compile(r"^\s*(\w+) = ")
+def _provenance(graph: torch.fx.GraphModule) -> dict[str, tuple[str, str]]:
+    """Each op's (module path, phase) from its annotation and partitioner tag."""
+    return {node.name: ((node.meta.get("custom") or {}).get("module", ""),
+                        {"is_forward": "fwd", "is_backward": "bwd"}.get(node.meta.get("partitioner_tag"), "fwd"))
+            for node in graph.graph.nodes if node.op == "call_function"}
 
 
-def _provenance(gm: torch.fx.GraphModule, internal: torch.fx.GraphModule) -> dict[str, tuple[str, str]]:
-    inner = {n.name: n for n in internal.graph.nodes}
-    out = {}
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        lines = (node.meta.get("stack_trace") or "").strip().splitlines()
-        match = _DEFINED.match(lines[-1]) if lines else None
-        source = inner.get(match.group(1)) if match else None
-        if source is None:
-            continue  # pytree plumbing added by the re-trace (getitem of outputs); no provenance
-        module = (source.meta.get("custom") or {}).get("module", "")
-        phase = {"is_forward": "fwd", "is_backward": "bwd"}.get(source.meta.get("partitioner_tag"), "fwd")
-        out[node.name] = (module, phase)
-    return out
+def _joint(graph: torch.fx.GraphModule, wrapper: torch.nn.Module, arg_names: list[str]) -> Joint:
+    """What the joint graph's placeholders and outputs are, by position: (parameters, buffers, forward arguments,
+    then the loss's tangents, which a joint graph of a loss never reads: dropped) and (the loss, then each
+    placeholder's gradient but the tangents')."""
+    params = list(wrapper.named_parameters(remove_duplicate=False))
+    held = len(params) + len(list(wrapper.named_buffers(remove_duplicate=False)))
+    placeholders = [node for node in graph.graph.nodes if node.op == "placeholder"]
+    args = placeholders[held:held + len(arg_names)]
+    for node in placeholders[held + len(arg_names):]:
+        if node.users:
+            raise CaptureError(f"the joint graph reads {node.name}, a tangent of the loss (torch {torch.__version__})")
+        graph.graph.erase_node(node)
+    outputs = next(node for node in graph.graph.nodes if node.op == "output").args[0]
+    if len(args) != len(arg_names) or len(outputs) != 1 + held + len(arg_names):
+        raise CaptureError(f"torch {torch.__version__}: the joint graph has {len(placeholders)} inputs and "
+                           f"{len(outputs)} outputs for {held} parameters and buffers and {len(arg_names)} forward "
+                           f"arguments; expected the loss and a gradient for each (a forward that mutates an input?)")
+    grads = {}
+    for (path, param), grad in zip(params, outputs[1:]):
+        if param.requires_grad:
+            if grad is None:
+                raise CaptureError(f"parameter {path[len('model.'):]} receives no gradient from the loss")
+            grads[path[len("model."):]] = grad.name
+    return Joint(gm=graph, params={node.name: path[len("model."):] for node, (path, _) in zip(placeholders, params)},
+                 user_inputs={node.name: name for node, name in zip(args, arg_names)}, loss=outputs[0].name,
+                 grads=grads, provenance=_provenance(graph))
 
 
 def fake_inputs(mode: FakeTensorMode, tensors) -> tuple[FakeTensor, ...]:
@@ -144,38 +173,24 @@ def fake_inputs(mode: FakeTensorMode, tensors) -> tuple[FakeTensor, ...]:
 
 def trace_joint(model: torch.nn.Module, inputs: tuple, mode: FakeTensorMode | None = None) -> Joint:
     """Trace forward + backward of ``loss = model(*inputs)`` (under `mode` if the module is fake)."""
-    arg_names = _forward_arg_names(model, len(inputs))
     wrapper = _LossTuple(model)
-    internal: list = []
     try:
         with contextlib.ExitStack() as stack:
             if mode is not None:
                 stack.enter_context(mode)
             stack.enter_context(_annotate_modules(model))
-            stack.enter_context(_keep_internal_joint(internal))
+            stack.enter_context(_take_joint())
             stack.enter_context(fx_traceback.preserve_node_meta())
-            gm, sig = aot_autograd.aot_export_module(wrapper, inputs, trace_joint=True, output_loss_index=0,
-                                                     decompositions=DECOMPOSITIONS)
+            aot_autograd.aot_export_module(wrapper, inputs, trace_joint=True, output_loss_index=0,
+                                           decompositions=DECOMPOSITIONS)
+    except _Taken as taken:
+        return _joint(taken.graph, wrapper, _forward_arg_names(model, len(inputs)))
     except CaptureError:
         raise
     except Exception as err:
         raise CaptureError(f"torch could not trace {type(model).__name__}: {type(err).__name__}: {err}") from err
-    if len(internal) != 1:
-        raise CaptureError(f"torch {torch.__version__}: found {len(internal)} internal joint graphs in "
-                           f"aot_export_module (expected 1); module provenance cannot be recovered — "
-                           f"update tv_ray.frontend.trace._keep_internal_joint for this torch version")
-
-    def strip(path: str) -> str:
-        return path[len("model."):]
-
-    return Joint(
-        gm=gm,
-        params={ph: strip(p) for ph, p in sig.inputs_to_parameters.items()},
-        user_inputs=dict(zip(sig.user_inputs, arg_names)),
-        loss=sig.backward_signature.loss_output,
-        grads={strip(p): node for node, p in sig.backward_signature.gradients_to_parameters.items()},
-        provenance=_provenance(gm, internal[0]),
-    )
+    raise CaptureError(f"torch {torch.__version__}: aot_export_module made no joint graph to re-trace; update "
+                       f"tv_ray.frontend.trace._take_joint for this torch version")
 
 
 def _forward_arg_names(model: torch.nn.Module, count: int) -> list[str]:
