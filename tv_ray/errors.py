@@ -155,6 +155,15 @@ class NoReplay(TvRayError):
     application two values): the solver's "sat" stays unknown."""
 
 
+class JointTaken(TvRayError):
+    """Raised inside torch's `aot_export_module` once its joint graph is made, ending the export before it re-traces
+    that graph (`tv_ray.frontend.trace`); never escapes `trace_joint`."""
+
+    def __init__(self, graph):
+        super().__init__("joint graph taken")
+        self.graph = graph
+
+
 class SolverUnavailable(TvRayError):
     """An SMT backend cannot run here (not installed, binary missing, library broken); the message says which.
     `solver` is the backend's name."""

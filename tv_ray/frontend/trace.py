@@ -27,7 +27,7 @@ from torch._decomp import get_decompositions
 from torch._functorch import aot_autograd
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from tv_ray.errors import CaptureError
+from tv_ray.errors import CaptureError, JointTaken
 
 aten = torch.ops.aten
 
@@ -105,24 +105,16 @@ def _annotate_modules(model: torch.nn.Module):
             handle.remove()
 
 
-class _Taken(Exception):
-    """Raised inside `aot_export_module` once its joint graph is made: the export's re-trace is not needed."""
-
-    def __init__(self, graph: torch.fx.GraphModule):
-        super().__init__("joint graph taken")
-        self.graph = graph
-
-
 @contextlib.contextmanager
 def _take_joint():
     """Stop `aot_export_module` where it would re-trace its joint graph (`make_fx` of a function closing over it),
-    raising `_Taken` with that graph."""
+    raising `JointTaken` with that graph."""
     original = aot_autograd.make_fx
 
     def make_fx(fn, *args, **kwargs):
         for cell in getattr(fn, "__closure__", None) or ():
             if isinstance(cell.cell_contents, torch.fx.GraphModule):
-                raise _Taken(cell.cell_contents)
+                raise JointTaken(cell.cell_contents)
         return original(fn, *args, **kwargs)
 
     aot_autograd.make_fx = make_fx
@@ -183,7 +175,7 @@ def trace_joint(model: torch.nn.Module, inputs: tuple, mode: FakeTensorMode | No
             stack.enter_context(fx_traceback.preserve_node_meta())
             aot_autograd.aot_export_module(wrapper, inputs, trace_joint=True, output_loss_index=0,
                                            decompositions=DECOMPOSITIONS)
-    except _Taken as taken:
+    except JointTaken as taken:
         return _joint(taken.graph, wrapper, _forward_arg_names(model, len(inputs)))
     except CaptureError:
         raise
