@@ -45,16 +45,30 @@ def test_the_command_runs_with_the_cyclic_collector_off_to_its_end(monkeypatch, 
     """`tv-ray` (`entry`) turns the collector off for good: turned back on after a verification, its first pass
     would walk every object the verification made, only for the process to end."""
     import gc
+    import os
     from tv_ray import cli
     monkeypatch.setattr(sys, "argv", ["tv-ray", "models"])
     ended = []
-    monkeypatch.setattr(sys, "exit", ended.append)
+    monkeypatch.setattr(os, "_exit", ended.append)
+    monkeypatch.setattr(cli.atexit, "_run_exitfuncs", lambda: ended.append("handlers"))
     try:
         cli.entry()
-        assert ended == [0] and not gc.isenabled()
+        assert ended == ["handlers", 0] and not gc.isenabled()
         assert "llama3-tiny" in capsys.readouterr().out
     finally:
         gc.enable()
+
+
+def test_the_command_ends_with_its_code_after_its_exit_handlers_and_output():
+    script = ("import atexit, sys; from tv_ray.cli import entry; "
+              "atexit.register(lambda: print('handler ran', file=sys.stderr)); "
+              "sys.argv = ['tv-ray'] + sys.argv[1:]; entry()")
+    ok = subprocess.run([sys.executable, "-c", script, "models"], capture_output=True, text=True, timeout=120)
+    assert (ok.returncode, ok.stderr) == (0, "handler ran\n") and "llama3-405b" in ok.stdout
+    bad = subprocess.run([sys.executable, "-c", script, "check", "/nonexistent/out"], capture_output=True, text=True,
+                         timeout=120)
+    assert (bad.returncode, bad.stderr) == (1, "tv-ray check: FAILED: /nonexistent/out/certificate.json: no certificate "
+                                               "here (a run that was not proved writes report.json)\nhandler ran\n")
 
 
 def test_a_plan_path_is_a_plan_whatever_its_name_and_a_bad_name_says_so(tiny_dp2_plan, tmp_path, capsys):
