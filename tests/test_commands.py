@@ -59,6 +59,27 @@ def test_the_command_runs_with_the_cyclic_collector_off_to_its_end(monkeypatch, 
         gc.enable()
 
 
+class _Made:
+    """Something a command made (weakly referable)."""
+
+
+def test_what_a_command_made_is_held_to_the_end_only_of_a_process_that_ends_unfreed(monkeypatch):
+    import weakref
+    from tv_ray import processes
+    monkeypatch.setattr(processes, "_HELD", None)
+    made = _Made()
+    gone = weakref.ref(made)
+    processes.held_to_exit(made)            # the Python API: nothing kept
+    del made
+    assert gone() is None
+    processes.ends_unfreed()                # `tv-ray`: kept to the process's end
+    made = _Made()
+    kept = weakref.ref(made)
+    processes.held_to_exit(made)
+    del made
+    assert kept() is not None
+
+
 def test_the_command_ends_with_its_code_after_its_exit_handlers_and_output():
     script = ("import atexit, sys; from tv_ray.cli import entry; "
               "atexit.register(lambda: print('handler ran', file=sys.stderr)); "

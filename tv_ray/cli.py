@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from tv_ray.errors import TvRayError
+from tv_ray.processes import ends_unfreed, held_to_exit
 from tv_ray.models import cmd_models
 from tv_ray.commands import add_model_flags, add_parsers
 from tv_ray.simulate import add_run_parser, parse_dims
@@ -72,6 +73,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                       "programs": {name: len(p.nodes) for name, p in plan.programs.items()},
                       "logical_ops": len(plan.logical.nodes),
                       "seconds": {"capture": round(captured - start, 2), "parallelize": round(done - captured, 2)}}))
+    held_to_exit(plan)
     return 0
 
 
@@ -106,8 +108,10 @@ def entry() -> None:
     pauses it anyway (`gc_paused`); turned back on, its first pass would walk every object made meanwhile — at
     llama3-70b a verification's tens of millions, 3.6 s — only for the process to end. It ends once the exit
     handlers have run (`atexit`: Ray's, multiprocessing's, temporary directories'), without the interpreter's own
-    teardown, which would free every object still held one by one (0.8 s after a 70B verification's last line)."""
+    teardown, which would free every object still held one by one (0.8 s after a 70B verification's last line) —
+    and what the command made is held to that end (`held_to_exit`)."""
     gc.disable()
+    ends_unfreed()
     code = main()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -27,6 +27,7 @@ from pathlib import Path
 from tv_ray.engine.executor import ENGINES
 from tv_ray.errors import CertificateError, TvRayError
 from tv_ray.models import list_models
+from tv_ray.processes import held_to_exit
 from tv_ray.simulate import parse_dims
 
 EXIT = {"proved": 0, "refuted": 1, "unknown": 2}
@@ -217,6 +218,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         if outcome.resumed:
             print(f"  resumed: {outcome.resumed} unique keys' verdicts taken from {args.output}/checkpoint")
         print(f"  wrote {written}")
+    held_to_exit(result)
     return EXIT[result.status]
 
 

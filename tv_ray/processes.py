@@ -3,9 +3,10 @@
 `gc_paused` keeps the cyclic collector off while ~10^7 small acyclic objects
 are built (a plan, its stages); `in_processes` runs jobs in processes forked
 for the call, each inheriting the jobs rather than receiving them pickled;
-`Forked` runs one job beside this process's own work. None imports anything
-of tv_ray: the capture, the partition, the checker and the commands use them
-alike.
+`Forked` runs one job beside this process's own work; `held_to_exit` keeps
+what a command made to the end of a process that ends without freeing it.
+None imports anything of tv_ray: the capture, the partition, the checker and
+the commands use them alike.
 """
 from __future__ import annotations
 
@@ -121,4 +122,22 @@ def _answer(fn: Callable, args: tuple, sender) -> None:
     sender.close()
 
 
-__all__ = ["gc_paused", "in_processes", "Generate", "Forked"]
+_HELD: list | None = None      # what `held_to_exit` keeps, in a process that ends without teardown (`ends_unfreed`)
+
+
+def ends_unfreed() -> None:
+    """This process ends without freeing what it holds (`tv_ray.cli.entry`: `os._exit` once its exit handlers ran), so
+    `held_to_exit` may keep objects to its end."""
+    global _HELD
+    _HELD = []
+
+
+def held_to_exit(*objects) -> None:
+    """Keep `objects` (a verification's outcome, a check's derivation) to the end of a process that ends without
+    freeing them (`ends_unfreed`) rather than free them one by one on the way there: at llama3-70b, tens of millions
+    of objects, 0.9 s after a verification and 1.6 s after a check. Elsewhere (the Python API) this does nothing."""
+    if _HELD is not None:
+        _HELD.extend(objects)
+
+
+__all__ = ["gc_paused", "in_processes", "Generate", "Forked", "ends_unfreed", "held_to_exit"]

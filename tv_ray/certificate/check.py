@@ -50,7 +50,7 @@ from tv_ray.partition.compose import composition_problems
 from tv_ray.partition.derive import Settings, derive
 from tv_ray.plan import Plan
 from tv_ray.plan_check import checked_beside
-from tv_ray.processes import gc_paused, in_processes
+from tv_ray.processes import gc_paused, held_to_exit, in_processes
 from tv_ray.smt import prove, prove_all
 from tv_ray.terms import Term
 from tv_ray.terms.normal import NormaliseError, Normaliser, ground_lemmas
@@ -330,6 +330,7 @@ def check_certificate(out: str | Path, sample: int | None = None, solvers: tuple
         else:
             report.same_method += 1
     report.seconds = time.perf_counter() - started
+    held_to_exit(derivation)
     return report
 
 
