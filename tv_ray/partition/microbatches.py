@@ -103,8 +103,6 @@ class Shifts:
         self.pairs: dict[str, dict[str, str]] = {}     # program -> op of microbatch k -> its counterpart
         self.named: dict[str, dict[tuple[str, int], str]] = {}   # program -> (counterpart, k) -> op
         self.mb: dict[str, dict[str, int]] = {}        # program -> op of microbatch k -> k
-        # program -> op of microbatch k -> (its counterpart, their arguments side by side): what `_renamed` reads
-        self.wiring: dict[str, dict[str, tuple]] = {}
         # program -> the counterparts and what they read (`_keep`): a value an op reads must be its counterpart's
         # argument renamed, so that argument is kept too — a collective's result, say, which no microbatch pairs
         self.images: dict[str, frozenset[str]] = {}
@@ -114,9 +112,9 @@ class Shifts:
             self.pairs[name] = pairs = counterparts(program)
             self.named[name] = {(base, mb[op]): op for op, base in pairs.items()}
             self.mb[name] = {op: mb[op] for op in pairs}
-            nodes = {n.name: n for n in program.nodes}
-            self.wiring[name] = {op: (base, tuple(zip(nodes[op].args, nodes[base].args))) for op, base in pairs.items()}
-            self.images[name] = frozenset(pairs.values()).union(*(nodes[base].args for base in pairs.values()))
+            bases = set(pairs.values())
+            nodes = {n.name: n for n in program.nodes if n.name in bases}
+            self.images[name] = frozenset(bases).union(*(node.args for node in nodes.values()))
 
     def rename_id(self, cid: StageId, k: int) -> StageId:
         """A stage or claim id of microbatch 0 as microbatch k's (an input, or an op no microbatch pairs, is
@@ -301,7 +299,9 @@ class Renamed:
         self.shifts = shifts if shifts is not None or self.moves is None else Shifts(plan, self.moves.blocks)
         on = on and self.shifts is not None      # off: every op of microbatch k is evaluated
         self._images: dict[str, frozenset[str]] = self.shifts.images if on else {}
-        self._pairing: dict[str, dict[str, tuple]] = self.shifts.wiring if on else {}
+        # program -> op of microbatch k -> (its counterpart, their arguments side by side), or None: what `_renamed`
+        # reads, made when first asked (most ops are taken in run segments: never asked)
+        self._pairing: dict[str, dict[str, tuple | None]] | None = {} if on else None
         self._kept: dict[int, dict] = {}         # rank -> counterpart (or input) -> its value after its op
         self._stage_at: dict[int, dict[str, int]] = {}   # rank -> op of microbatch 0 -> its stage's index
         self.renamed = 0                          # ops taken as their counterparts' renamed
@@ -330,7 +330,7 @@ class Renamed:
 
     def _renamed(self, state, node) -> bool:
         """Take the op as its counterpart's renamed (the module docstring); False: step it."""
-        paired = self._pairing.get(state.name, {}).get(node.name)     # none without moves
+        paired = self._paired(state.name, node.name)
         if paired is None or not self._movable(state.rank):
             return False
         rank = state.rank
@@ -358,6 +358,19 @@ class Renamed:
         self.renamed += 1
         self._passed(state, node, Moved(kept[base], k))
         return True
+
+    def _paired(self, program: str, op: str) -> tuple | None:
+        """(op's counterpart, their arguments side by side) where a microbatch k pairs op with microbatch 0's (else,
+        and without moves, None)."""
+        if self._pairing is None:
+            return None
+        found = self._pairing.setdefault(program, {})
+        if op in found:
+            return found[op]
+        base = self.shifts.pairs[program].get(op)
+        nodes = self._nodes[program]
+        paired = found[op] = None if base is None else (base, tuple(zip(nodes[op].args, nodes[base].args)))
+        return paired
 
     def _renamed_run(self, state) -> bool:
         """Take the ops from here to the end of their run segment (`_segments`) at once, each as `_renamed` would
