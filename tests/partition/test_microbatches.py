@@ -118,6 +118,18 @@ def test_each_op_of_a_microbatch_pairs_with_microbatch_0s_at_its_place(claimed):
         assert all(n.name in pairs for n in later), name
 
 
+def test_a_programs_counterparts_are_found_once_and_forgotten_with_it(claimed):
+    import gc
+    program = claimed("pp=2,mb=4")[0].programs["stage0"]
+    copy = dataclasses.replace(program)          # an equal program, another object: found for itself
+    pairs = counterparts(program)
+    assert counterparts(program) is pairs and counterparts(copy) == pairs and counterparts(copy) is not pairs
+    held = id(copy)
+    del copy
+    gc.collect()
+    assert held not in microbatches._PAIRED and id(program) in microbatches._PAIRED
+
+
 def test_a_copy_is_found_by_its_id_and_nothing_else_is(claimed):
     plan, dims, claims = claimed("dp=2,tp=2,pp=2,mb=4")
     part = partition(plan, dims, claims, shards=False)
