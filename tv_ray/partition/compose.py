@@ -69,12 +69,13 @@ def _problems(plan: Plan, part: Partition, proved: set[str]) -> list[str]:
 
 def state_lineage_problems(plan: Plan) -> list[str]:
     """Each updated parameter / optimizer state leaves the step with the lineage it came in with."""
-    def layout(logical: str) -> set:
-        return {(e.where, e.slice, e.partial) for e in plan.lineage if e.logical == logical}
+    layouts: dict[str, set] = {}        # logical tensor -> its entries' (where, slice, partial)
+    for e in plan.lineage:
+        layouts.setdefault(e.logical, set()).add((e.where, e.slice, e.partial))
     out = []
     for name, _ in plan.logical.outputs:
         if name.startswith("new/"):
-            before, after = layout(name[4:]), layout(name)
+            before, after = layouts.get(name[4:], set()), layouts.get(name, set())
             if before != after:
                 out.append(f"{name} leaves the step with lineage {sorted(map(str, after))} but {name[4:]} "
                            f"came in with {sorted(map(str, before))}: the next step would start inconsistent")
