@@ -39,10 +39,11 @@ def size(boundary: Iterable, obligations) -> tuple[int, int]:
 def generations(reads: dict) -> dict:
     """Each stage's depth in dataflow (`reads`: stage -> what it reads; a read that is no stage is a source): a
     stage that reads no other stage is 0, any other one more than the deepest stage it reads. Raises `StageCycle`."""
-    waiting = {cid: len(srcs & reads.keys()) for cid, srcs in reads.items()}
-    readers: dict = {}
+    waiting, readers, stages = {}, {}, reads.keys()
     for cid, srcs in reads.items():
-        for src in srcs & reads.keys():
+        inner = srcs & stages
+        waiting[cid] = len(inner)
+        for src in inner:
             readers.setdefault(src, []).append(cid)
     depth = {cid: 0 for cid, n in waiting.items() if n == 0}
     ready = list(depth)
