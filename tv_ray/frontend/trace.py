@@ -7,7 +7,7 @@ fake tensors, so frontier-size modules trace without allocating memory.
 The joint graph taken is `aot_export_module`'s internal one, before the
 export re-traces it only to drop the pytree of its inputs (primals, tangents)
 and outputs (forward outputs, every input's gradient) — most of the time of
-a capture went to that re-trace (llama3 probes: 13.9 → 7.9 s for nine), and
+a capture went to that re-trace (llama3 probes: 13.9 → 7.4 s for nine), and
 it dropped the node metadata on the way. Here the placeholders and outputs
 are read by position, as the export's signature reads them (parameters, then
 buffers, then the forward's arguments; the loss, then each input's
