@@ -147,7 +147,7 @@ def _failed(plan: Plan, err: Exception) -> dict:
 
 class _ForkedReference:
     """The fresh capture of a built-in model (`_capture_digest`) made in a forked process from now on, while the
-    caller goes on: 17 s at llama3-70b on one core, beside the reading of the plan and its claims, reduction and
+    caller goes on: 8 s at llama3-70b on one core, beside the reading of the plan and its claims, reduction and
     mirrors (one core) instead of after the whole verification. Begun from a plan file's header (`Plan.header`)
     before the plan is read (`_read_plan` stops it where the plan read in full names another model, recipe or dims);
     `result(plan)` is the plan's `reference` with it — made again here where the process died without answering."""

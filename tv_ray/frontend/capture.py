@@ -79,7 +79,7 @@ def probe_capture(spec: ModelSpec, table: Mapping[str, int]) -> Graph:
 
 
 def _prefetch(probes: list[tuple[ModelSpec, Mapping[str, int]]]) -> None:
-    """The probe captures not held yet, traced in forked processes, one per core (a deep model's nine: 15 s on
+    """The probe captures not held yet, traced in forked processes, one per core (a deep model's nine: 7.4 s on
     one core). Only where this process may have children; a probe that fails there is traced again here, in
     order, by `probe_capture`, which raises its error. The first is traced here, before forking, so that torch's
     set-up on a first trace (seconds) is made once."""
