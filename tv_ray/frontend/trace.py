@@ -135,7 +135,7 @@ def _joint(graph: torch.fx.GraphModule, wrapper: torch.nn.Module, arg_names: lis
     """What the joint graph's placeholders and outputs are, by position: (parameters, buffers, forward arguments,
     then the loss's tangents, which a joint graph of a loss never reads: dropped) and (the loss, then each
     placeholder's gradient but the tangents')."""
-    params = list(wrapper.named_parameters(remove_duplicate=False))
+    params = [(path[len("model."):], param) for path, param in wrapper.named_parameters(remove_duplicate=False)]
     held = len(params) + len(list(wrapper.named_buffers(remove_duplicate=False)))
     placeholders = [node for node in graph.graph.nodes if node.op == "placeholder"]
     args = placeholders[held:held + len(arg_names)]
@@ -152,9 +152,9 @@ def _joint(graph: torch.fx.GraphModule, wrapper: torch.nn.Module, arg_names: lis
     for (path, param), grad in zip(params, outputs[1:]):
         if param.requires_grad:
             if grad is None:
-                raise CaptureError(f"parameter {path[len('model.'):]} receives no gradient from the loss")
-            grads[path[len("model."):]] = grad.name
-    return Joint(gm=graph, params={node.name: path[len("model."):] for node, (path, _) in zip(placeholders, params)},
+                raise CaptureError(f"parameter {path} receives no gradient from the loss")
+            grads[path] = grad.name
+    return Joint(gm=graph, params={node.name: path for node, (path, _) in zip(placeholders, params)},
                  user_inputs={node.name: name for node, name in zip(args, arg_names)}, loss=outputs[0].name,
                  grads=grads, provenance=_provenance(graph))
 

@@ -59,7 +59,7 @@ def interior_entries(lowering: Lowering, logical: Graph, program: Graph, where: 
     # identity (the lowering holds each layout, and shares it between the ops it gives it — every microbatch's copy
     # of an op), not its hash of nested tuples; each distinct region kept once (`alike`), and (region, microbatch)
     # -> the region at that microbatch
-    shapes: dict[int, tuple | str] = {}
+    by_layout: dict[int, tuple | str] = {}
     alike: dict[tuple, tuple] = {}
     regions: dict[tuple, tuple] = {}
     micro = lowering.microbatches
@@ -71,14 +71,14 @@ def interior_entries(lowering: Lowering, logical: Graph, program: Graph, where: 
         name, layout, mb_index = held
         if name not in logical or logical.dtype_of(name) != "float":
             continue
-        shape = shapes.get(id(layout))
-        if shape is None:
-            shape = _region(layout)
-            shape = shapes[id(layout)] = shape if isinstance(shape, str) else alike.setdefault(shape, shape)
-        if isinstance(shape, str):
+        any_mb = by_layout.get(id(layout))
+        if any_mb is None:
+            any_mb = _region(layout)
+            any_mb = by_layout[id(layout)] = any_mb if isinstance(any_mb, str) else alike.setdefault(any_mb, any_mb)
+        if isinstance(any_mb, str):
             continue
-        region = regions.get((id(shape), mb_index))
+        region = regions.get((id(any_mb), mb_index))
         if region is None:
-            region = regions[id(shape), mb_index] = _at_microbatch(shape, mb_index, micro)
+            region = regions[id(any_mb), mb_index] = _at_microbatch(any_mb, mb_index, micro)
         entries.append(Lineage(pinned, node.name, name, *region))
     return entries

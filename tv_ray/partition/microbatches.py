@@ -114,8 +114,7 @@ class Shifts:
             self.named[name] = {(base, mb[op]): op for op, base in pairs.items()}
             self.mb[name] = {op: mb[op] for op in pairs}
             bases = set(pairs.values())
-            nodes = {n.name: n for n in program.nodes if n.name in bases}
-            self.images[name] = frozenset(bases).union(*(node.args for node in nodes.values()))
+            self.images[name] = frozenset(bases).union(*(program.value(base).args for base in bases))
 
     def rename_id(self, cid: StageId, k: int) -> StageId:
         """A stage or claim id of microbatch 0 as microbatch k's (an input, or an op no microbatch pairs, is
