@@ -7,6 +7,7 @@ Example::
     plan = tv_ray.parallelize(graph, "dp=2,tp=2,pp=2,mb=2", model="llama3-tiny", sp=True)
     result = tv_ray.simulate(plan, seed=0)
     proof = tv_ray.verify(plan, jobs=2)      # .proved, .counterexample, .save("out")
+    traced = tv_ray.trace("docs/examples/dtensor_mlp.py", world_size=2)   # a torch.distributed script's plan
 """
 __version__ = "0.1.0"
 
@@ -15,7 +16,7 @@ from tv_ray.parallel.spec import ParallelSpec  # noqa: E402
 from tv_ray.plan import Plan  # noqa: E402
 from tv_ray.simulate import simulate  # noqa: E402  (the function, not the module of the same name)
 
-_API = ("Result", "capture", "capture_step", "parallelize", "verify")
+_API = ("Result", "capture", "capture_step", "parallelize", "trace", "verify")
 
 
 def __getattr__(name: str):
@@ -28,4 +29,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["ParallelSpec", "Plan", "Result", "TvRayError", "capture", "capture_step", "parallelize", "simulate",
-           "verify"]
+           "trace", "verify"]

@@ -65,6 +65,17 @@ def capture_step(model, inputs=None, *, optim: str = RECIPE["optim"], clip: floa
     return graph
 
 
+def trace(script, world_size: int | None = None) -> Plan:
+    """The plan of a torch.distributed training script, every rank run as a gloo process on CPU and recorded
+    (the script's contract: `tv_ray.frontend.traced`)::
+
+        plan = tv_ray.trace("docs/examples/dtensor_mlp.py", world_size=2)
+        assert tv_ray.verify(plan).proved
+    """
+    from tv_ray.frontend.traced import trace as traced
+    return traced(script, world_size)
+
+
 def parallelize(graph: Graph, spec: str | ParallelSpec, *, model: str | ModelSpec = "model",
                 dims: Mapping[str, int] | None = None, layers: int | None = None,
                 recipe: Mapping | None = None, check: bool = True, **flags) -> Plan:
@@ -359,5 +370,5 @@ def _is_plan_file(x) -> bool:
                         setting="model_or_plan")
 
 
-__all__ = ["capture", "capture_step", "parallelize", "reference", "simulate", "verify", "Result", "Plan",
+__all__ = ["capture", "capture_step", "parallelize", "trace", "reference", "simulate", "verify", "Result", "Plan",
            "ParallelSpec"]

@@ -4,6 +4,7 @@ Examples::
 
     tv-ray models
     tv-ray plan --model llama3-tiny --parallel dp=2,tp=2,pp=2,mb=2 --sp --optim adamw --clip 1.0 -o plan.json
+    tv-ray trace docs/examples/dtensor_mlp.py --world-size 2 -o plan.json
     tv-ray run plan.json --seed 0
     tv-ray verify plan.json -o out --jobs 2
     tv-ray check out
@@ -40,15 +41,22 @@ def _checked_save(plan, output: Path) -> None:
         raise
 
 
+def _unwritable(command: str, output: Path) -> bool:
+    """Say why a plan cannot be written to `output` (refused before the work, not after); False: it can."""
+    if output.is_dir():
+        print(f"tv-ray {command}: -o {output} is a directory; give the plan file's path, e.g. {output / 'plan.json'}",
+              file=sys.stderr)
+        return True
+    above = next(p for p in output.absolute().parents if p.exists())
+    if not above.is_dir():
+        print(f"tv-ray {command}: cannot write {output}: {os.strerror(errno.ENOTDIR)} ({above})", file=sys.stderr)
+        return True
+    return False
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     output = Path(args.output)
-    if output.is_dir():
-        print(f"tv-ray plan: -o {args.output} is a directory; give the plan file's path, e.g. {output / 'plan.json'}",
-              file=sys.stderr)
-        return 2
-    above = next(p for p in output.absolute().parents if p.exists())   # refused before the capture, not after
-    if not above.is_dir():
-        print(f"tv-ray plan: cannot write {args.output}: {os.strerror(errno.ENOTDIR)} ({above})", file=sys.stderr)
+    if _unwritable("plan", output):
         return 2
     from tv_ray.api import capture_step, parallelize
     try:
@@ -77,6 +85,28 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_trace(args: argparse.Namespace) -> int:
+    output = Path(args.output)
+    if _unwritable("trace", output):
+        return 2
+    from tv_ray.frontend.traced import trace
+    try:
+        start = time.perf_counter()
+        plan = trace(args.script, args.world_size)
+        output.parent.mkdir(parents=True, exist_ok=True)
+        _checked_save(plan, output)
+    except TvRayError as err:
+        print(f"tv-ray trace: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        print(f"tv-ray trace: cannot write {args.output}: {err.strerror or err}", file=sys.stderr)
+        return 2
+    print(json.dumps({"plan": args.output, "script": args.script, "mesh": dict(plan.mesh), "ranks": plan.num_ranks,
+                      "programs": {name: len(p.nodes) for name, p in plan.programs.items()},
+                      "logical_ops": len(plan.logical.nodes), "seconds": round(time.perf_counter() - start, 2)}))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tv-ray", description="Verify distributed LLM training plans.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -88,6 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_flags(plan, required=True)
     plan.add_argument("-o", "--output", required=True, help="where to write the plan JSON")
     plan.set_defaults(func=cmd_plan)
+    trace = sub.add_parser("trace", help="run a torch.distributed training script on every rank and record its plan",
+                           description="Example: tv-ray trace docs/examples/dtensor_mlp.py --world-size 2 -o plan.json "
+                                       "(the script's contract: tv_ray.frontend.traced)")
+    trace.add_argument("script", help="the training script (MESH, model, parallelize, optimizer, batch, loss)")
+    trace.add_argument("--world-size", type=int, default=None, help="the number of ranks (default: MESH's)")
+    trace.add_argument("-o", "--output", required=True, help="where to write the plan JSON")
+    trace.set_defaults(func=cmd_trace)
     add_run_parser(sub)
     add_parsers(sub)
     return parser

@@ -73,6 +73,10 @@ class CaptureError(TvRayError):
     FIELDS = ("node",)
 
 
+class TraceFailed(CaptureError):
+    """A rank of a traced training script (`tv-ray trace`) failed: the message holds its rank and traceback."""
+
+
 class ParallelConfigError(TvRayError):
     """A parallel recipe cannot be applied to this model (names the failing constraint); `node` the logical node."""
 

@@ -33,6 +33,8 @@ def dtype_name(dtype: torch.dtype, where: str) -> str:
 class Converter:
     """Walks a `Joint` in order; converters call `emit` and `alias`."""
 
+    converters: dict[Any, Callable]       # ATen overload -> its converter (`CONVERTERS`, set below)
+
     def __init__(self, joint: Joint, int_highs: dict[str, Any] | None = None):
         self.joint = joint
         self.int_highs = int_highs or {}
@@ -88,22 +90,30 @@ class Converter:
 
     # -- the walk -------------------------------------------------------------------
     def run(self) -> Graph:
+        inputs = self._walk()
+        return Graph(tuple(inputs), tuple(self.nodes), tuple(self._outputs()), name="logical")
+
+    def _walk(self) -> list[TensorSpec]:
+        """Convert every node in order; the graph's inputs."""
         inputs = []
         for node in self.joint.gm.graph.nodes:
             self.fx = node
             if node.op == "placeholder":
                 inputs.append(self._input(node))
             elif node.op == "call_function":
-                convert = CONVERTERS.get(node.target)
+                convert = self.converters.get(node.target)
                 if convert is None:
                     raise self.error(f"unsupported ATen op {node.target}; add a converter to "
                                      f"tv_ray.frontend.aten.CONVERTERS or a decomposition to "
                                      f"tv_ray.frontend.trace.DECOMPOSITIONS")
                 convert(self, *node.args, **node.kwargs)
         self.fx = None
-        outputs = [("loss", self.names[self.joint.loss])]
-        outputs += [(f"grad/{p}", self.names[n]) for p, n in self.joint.grads.items()]
-        return Graph(tuple(inputs), tuple(self.nodes), tuple(outputs), name="logical")
+        return inputs
+
+    def _outputs(self) -> list[tuple[str, str]]:
+        """The loss, then each parameter's gradient."""
+        return [("loss", self.names[self.joint.loss])] + \
+            [(f"grad/{p}", self.names[n]) for p, n in self.joint.grads.items()]
 
     def _input(self, node: torch.fx.Node) -> TensorSpec:
         val = node.meta["val"]
@@ -344,6 +354,61 @@ def _where(cv: Converter, cond, a, b):
     return cv.emit(Op.WHERE, [cv.arg(cond), cv.arg(a), cv.arg(b)])
 
 
+def _clamp(cv: Converter, x, min=None, max=None):
+    bounds = {k: float(v) for k, v in (("min", min), ("max", max)) if v is not None}
+    return cv.emit(Op.CLAMP, [cv.arg(x)], bounds)
+
+
+def _vector_norm(cv: Converter, x, ord=2, dim=None, keepdim=False, dtype=None):
+    """The 2-norm as sqrt(sum(x*x)) (gradient clipping's per-tensor norms)."""
+    if ord != 2 or dtype is not None:
+        raise cv.error(f"linalg_vector_norm with ord={ord}, dtype={dtype} (only the 2-norm)")
+    dims = range(cv.rank(x)) if not dim else dim
+    square = cv.emit(Op.MUL, [cv.arg(x), cv.arg(x)], suffix="_sq", val=x.meta["val"])
+    total = cv.emit(Op.SUM, [square], {"dims": sorted(_dim(cv, x, d) for d in dims), "keepdim": bool(keepdim)},
+                    suffix="_sum")
+    return cv.emit(Op.SQRT, [total])
+
+
+def _stack(cv: Converter, xs, dim=0):
+    dim = dim % (cv.rank(xs[0]) + 1)
+    parts = [cv.emit(Op.UNSQUEEZE, [cv.arg(x)], {"dim": dim}, suffix=f"_{i}",
+                     val=_Val(tuple(x.meta["val"].shape[:dim]) + (1,) + tuple(x.meta["val"].shape[dim:]),
+                              x.meta["val"].dtype)) for i, x in enumerate(xs)]
+    return cv.emit(Op.CAT, parts, {"dim": dim})
+
+
+def _addc(op: Op) -> Callable:
+    """self + value * (t1 op t2): addcmul, addcdiv (an optimizer's update)."""
+    def convert(cv: Converter, x, t1, t2, value=1):
+        product = cv.emit(op, [cv.arg(t1), cv.arg(t2)], suffix="_t")
+        if value != 1:
+            product = cv.emit(Op.MUL, [product], {"other": _scalar(value)}, suffix="_scaled")
+        return cv.emit(Op.ADD, [cv.arg(x), product])
+    return convert
+
+
+def _lerp(cv: Converter, x, end, weight):
+    """x + weight * (end - x) (AdamW's first moment)."""
+    step = cv.emit(Op.SUB, [cv.arg(end), cv.arg(x)], suffix="_diff")
+    return cv.emit(Op.ADD, [cv.arg(x), cv.emit(Op.MUL, [step], {"other": _scalar(weight)}, suffix="_scaled")])
+
+
+def _to(cv: Converter, x, *args, **kwargs):
+    """A dtype conversion: an alias where the IR dtype stays (float64 to float32 is float to float), else a cast."""
+    want = dtype_name(cv.fx.meta["val"].dtype, cv.fx.name)
+    if want == dtype_name(x.meta["val"].dtype, cv.fx.name):
+        return cv.alias(cv.arg(x))
+    return cv.emit(Op.CAST, [cv.arg(x)], {"dtype": want})
+
+
+class _Val:
+    """A shape and dtype for an IR node with no FX node of its own."""
+
+    def __init__(self, shape: tuple, dtype):
+        self.shape, self.dtype = shape, dtype
+
+
 def _mm(op: Op) -> Callable:
     return lambda cv, a, b: cv.emit(op, [cv.arg(a), cv.arg(b)])
 
@@ -353,6 +418,8 @@ CONVERTERS: dict[Any, Callable] = {
     aten.detach.default: _drop,
     aten.alias.default: _drop,
     aten.lift_fresh_copy.default: _drop,
+    aten.to.dtype: _to,
+    aten._to_copy.default: _to,
     operator.getitem: _getitem,
     # constants
     aten.arange.default: _arange,
@@ -383,6 +450,7 @@ CONVERTERS: dict[Any, Callable] = {
     aten.slice.Tensor: _slice,
     aten.slice_backward.default: _slice_backward,
     aten.cat.default: _cat,
+    aten.stack.default: _stack,
     aten.split.Tensor: _split,
     # elementwise
     **{target: _unary(op) for target, op in (
@@ -402,12 +470,17 @@ CONVERTERS: dict[Any, Callable] = {
     aten.pow.Scalar: _pow_scalar,
     aten.pow.Tensor_Tensor: _mm(Op.POW),
     aten.where.self: _where,
+    aten.clamp.default: _clamp,
+    aten.addcmul.default: _addc(Op.MUL),
+    aten.addcdiv.default: _addc(Op.DIV),
+    aten.lerp.Scalar: _lerp,
     # reductions
     aten.sum.dim_IntList: _reduce(Op.SUM),
     aten.sum.default: _reduce(Op.SUM),
     aten.mean.dim: _reduce(Op.MEAN),
     aten.mean.default: _reduce(Op.MEAN),
     aten.amax.default: _reduce(Op.AMAX),
+    aten.linalg_vector_norm.default: _vector_norm,
     # softmax and loss
     aten._softmax.default: _with_dim(Op.SOFTMAX),
     aten._log_softmax.default: _with_dim(Op.LOG_SOFTMAX),
@@ -419,3 +492,5 @@ CONVERTERS: dict[Any, Callable] = {
     aten.embedding.default: _embedding,
     aten.embedding_dense_backward.default: _embedding_backward,
 }
+
+Converter.converters = CONVERTERS

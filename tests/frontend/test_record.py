@@ -1,0 +1,89 @@
+"""The recorder: one process's ATen ops as a program that computes what torch computed, or an error saying why not."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tv_ray.errors import CaptureError
+from tv_ray.frontend.record import RankConverter, Recorder
+from tv_ray.semantics.interpret import run_graph
+
+
+def recorded(step, inputs: dict[str, torch.Tensor], roles: dict[str, str] | None = None):
+    """Run `step(**inputs)` under a recorder; its program and torch's outputs (name -> tensor)."""
+    known = {id(t): (t, name, (roles or {}).get(name, "data")) for name, t in inputs.items()}
+    recorder = Recorder(known, {})
+    with recorder:
+        outputs = step(recorder, **inputs)
+    program = RankConverter(recorder.recording(list(outputs.items()))).run()
+    return program, outputs
+
+
+def run(program, inputs: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    return run_graph(program, {}, {name: t.detach().numpy() for name, t in inputs.items()})
+
+
+def test_in_place_ops_become_the_values_they_leave():
+    x, w = torch.randn(3, 4, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64)
+
+    def step(recorder, x, w):
+        y = x @ w
+        y.mul_(2.0).add_(1.0)               # in place: later reads see the new value
+        torch._foreach_mul_([w], 0.5)       # a foreach op, element by element
+        z = torch.addcmul(y, y, y, value=0.25).lerp(x, 0.3)
+        return {"y": y, "z": z, "w": w}
+    inputs = {"x": x.clone(), "w": w.clone()}
+    program, outputs = recorded(step, inputs)
+    got = run(program, {"x": x, "w": w})
+    for name, value in outputs.items():
+        assert np.allclose(got[name], value.numpy(), rtol=0, atol=1e-12), name
+
+
+def test_a_gradient_marked_before_it_is_clipped():
+    w, x = torch.randn(4, 4, dtype=torch.float64, requires_grad=True), torch.randn(3, 4, dtype=torch.float64)
+
+    def step(recorder, w, x):
+        (x @ w).pow(2).sum().backward()
+        recorder.mark("grad/w", w.grad)
+        w.grad.mul_(0.1)
+        return {"clipped": w.grad}
+    program, outputs = recorded(step, {"w": w, "x": x}, {"w": "param"})
+    got = run(program, {"w": w, "x": x})
+    assert np.allclose(got["grad/w"] * 0.1, outputs["clipped"].numpy(), rtol=0, atol=1e-12)
+    assert {s.name: s.role for s in program.inputs} == {"w": "param", "x": "data"}
+    assert {n.get_meta("phase") for n in program.nodes} >= {"fwd", "bwd"}
+
+
+def test_a_tensor_from_outside_the_step_is_named():
+    stray = torch.ones(2, 3)
+    with pytest.raises(CaptureError) as err:
+        recorded(lambda recorder, x: {"y": x + stray}, {"x": torch.ones(2, 3)})
+    assert str(err.value) == ("the step: aten.add.Tensor reads a tensor of shape (2, 3) and dtype torch.float32 that no "
+                              "recorded op made and that is no parameter, optimizer state or batch tensor of the step")
+
+
+def test_a_value_read_into_python_is_refused():
+    with pytest.raises(CaptureError) as err:
+        recorded(lambda recorder, x: {"y": x * float(x.sum())}, {"x": torch.ones(2)})
+    assert str(err.value) == ("the step: the step reads a tensor's value into Python (aten._local_scalar_dense.default: "
+                              ".item(), a Python branch or an optimizer's step count read as a float); the program "
+                              "would hold it as a constant")
+
+
+def test_a_view_read_after_its_base_changed_is_refused():
+    def step(recorder, x):
+        view = x.t()
+        x.add_(1.0)
+        return {"y": view * 2}
+    with pytest.raises(CaptureError) as err:
+        recorded(step, {"x": torch.ones(2, 3)})
+    assert str(err.value) == ("the step: aten.mul.Tensor reads a tensor (3, 2) after aten.add_.Tensor changed memory it "
+                              "shares; a program cannot hold that aliasing")
+
+
+def test_an_uninitialised_tensor_read_is_refused():
+    with pytest.raises(CaptureError) as err:
+        recorded(lambda recorder, x: {"y": torch.empty(2) + x}, {"x": torch.ones(2)})
+    assert str(err.value) == ("the step: aten.add.Tensor reads a tensor of shape (2,) and dtype torch.float32 made by "
+                              "aten.empty.memory_format that no op wrote whole")

@@ -1,0 +1,354 @@
+"""Recording one rank's training step as it runs: its local ATen ops and collectives, as a plan program.
+
+A `Recorder` is a `TorchDispatchMode` active around one warm training step
+(forward, loss, backward, gradient clipping, optimizer step) of one rank of
+a torch.distributed job. It sees every local ATen op the rank runs and every
+collective it issues: it answers ``NotImplemented`` to DTensor, so DTensor
+desugars under it into local ops and functional collectives (the trick
+``CommDebugMode`` uses), and it drops the fake-tensor ops of DTensor's
+sharding propagation. Each op becomes a node of an FX graph, functionalised
+as it is recorded:
+
+- an in-place op (``add_``, ``mul_``, ``lerp_``, an optimizer's ``addcdiv_``)
+  becomes its out-of-place twin, and the tensor it changed reads the new node
+  from then on; a tensor that shares memory with the one changed (a view of
+  it, or its base) is stale from then on, and reading it is an error — never a
+  silently wrong value;
+- a ``_foreach_*`` op becomes one op per list element;
+- a functional collective (``_c10d_functional.all_reduce``, ``all_gather_into_tensor``,
+  ``reduce_scatter_tensor``) is kept with its process group resolved to mesh
+  axes; ``wait_tensor`` and ``_wrap_tensor_autograd`` are aliases.
+
+A tensor the step reads that no recorded op made is a program input: a
+parameter's local shard, an optimizer state, a batch tensor (named by the
+caller); any other is an error naming its shape. A value read into Python
+(``.item()``, ``aten._local_scalar_dense``) would be baked into the program as
+a constant, so it is an error too. The graph is converted to a `Graph` by the
+capture's converters (`tv_ray.frontend.aten`), the collectives by those here.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+
+from tv_ray.errors import CaptureError
+from tv_ray.frontend.aten import CONVERTERS, Converter, dtype_name
+from tv_ray.frontend.trace import DECOMPOSITIONS
+from tv_ray.ir import Expr, Graph, Op, TensorSpec
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+c10d_ = torch.ops.c10d
+
+ALIASES = {c10d.wait_tensor.default, c10d._wrap_tensor_autograd.default}
+IGNORED = {torch.ops.profiler._record_function_enter_new.default,
+           torch.ops.profiler._record_function_exit._RecordFunction}
+# an in-place op's out-of-place twin where its name without the trailing underscore is not one
+FUNCTIONAL = {aten.lerp_.Scalar: aten.lerp.Scalar, aten.addcmul_.default: aten.addcmul.default,
+              aten.addcdiv_.default: aten.addcdiv.default}
+REDUCE_OPS = {"sum": "sum", "avg": "avg", "max": "max"}
+UNINITIALISED = {aten.empty.memory_format, aten.empty_strided.default, aten.new_empty_strided.default,
+                 aten.new_empty.default, aten.empty_like.default}
+IN_PLACE_COLLECTIVES = {c10d_.allreduce_.default, c10d_._allgather_base_.default, c10d_._reduce_scatter_base_.default}
+
+
+class Value:
+    """What a recorded node holds: its shape and dtype (what the converters read of an FX node's ``val``)."""
+
+    __slots__ = ("shape", "dtype")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.shape, self.dtype = tuple(tensor.shape), tensor.dtype
+
+
+@dataclass
+class Recording:
+    """One rank's step as an FX graph: inputs by placeholder, what each op was recorded in, and the groups."""
+
+    gm: torch.fx.GraphModule
+    inputs: dict[str, tuple[str, str]]              # placeholder -> (input name, role)
+    outputs: list[tuple[str, str]]                  # (output name, node)
+    provenance: dict[str, tuple[str, str]]          # node -> (module path, phase)
+    groups: dict[str, tuple[str, ...]] = field(default_factory=dict)    # process group name -> mesh axes
+
+    # `Converter` reads these of a capture's joint graph
+    @property
+    def params(self) -> dict[str, str]:
+        return {p: name for p, (name, role) in self.inputs.items() if role == "param"}
+
+
+class Recorder(TorchDispatchMode):
+    """The dispatch mode (module docstring). `inputs`: the tensors the step may read without making them, by
+    identity → (name, role); `axes`: each process group name → the mesh axes it spans."""
+
+    def __init__(self, inputs: dict[int, tuple[torch.Tensor, str, str]], axes: dict[str, tuple[str, ...]]):
+        super().__init__()
+        self.graph = torch.fx.Graph()
+        self.known = inputs
+        self.axes = axes
+        self.node: dict[int, torch.fx.Node] = {}        # id(tensor) -> the node holding its current value
+        self.alive: list[torch.Tensor] = []             # every tensor seen, held so that no id is reused
+        self.stale: dict[int, str] = {}                  # id(tensor) -> the in-place op that made it stale
+        self.placeholders: dict[str, tuple[str, str]] = {}
+        self.provenance: dict[str, tuple[str, str]] = {}
+        self.groups: dict[str, tuple[str, ...]] = {}
+        self.module: list[str] = []                     # the module path stack (forward hooks)
+        self.backward_seen = False
+        self.marked: list[tuple[str, torch.fx.Node]] = []
+        self.empty: dict[int, str] = {}                  # id(tensor) -> the op that made it uninitialised
+
+    # -- what the step runs -----------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        kwargs = kwargs or {}
+        if func in DECOMPOSITIONS:       # the capture's decompositions: the same ops as the logical graph's
+            with self:
+                return DECOMPOSITIONS[func](*args, **kwargs)
+        out = func(*args, **kwargs)
+        if func in IGNORED or _fake(args, kwargs, out):
+            return out
+        if func is aten._local_scalar_dense.default:
+            raise CaptureError(f"{self._where()}: the step reads a tensor's value into Python ({func}: .item(), "
+                               f"a Python branch or an optimizer's step count read as a float); the program would "
+                               f"hold it as a constant")
+        if func in ALIASES:
+            self._bind(out, self._read(args[0], func))
+            return out
+        if func in UNINITIALISED or func in (aten.detach.default, aten.alias.default) and id(args[0]) in self.empty:
+            self.alive.append(out)          # no value until an op writes all of it (`copy_`, a collective's output)
+            self.empty[id(out)] = self.empty.get(id(args[0]), str(func)) if args else str(func)
+            return out
+        if func in IN_PLACE_COLLECTIVES:
+            self._in_place_collective(func, args)
+            return out
+        if func is aten.copy_.default and args[0].shape == args[1].shape and args[0].dtype == args[1].dtype:
+            self._changed(args[0], func)           # self is overwritten whole: it holds src from now on
+            self._bind(args[0], self._read(args[1], func))
+            return out
+        name = func._schema.name.split("::")[-1]
+        if name.startswith("_foreach_"):
+            self._foreach(func, name, args, kwargs, out)
+            return out
+        if func._schema.is_mutable:
+            self._in_place(func, name, args, kwargs)
+            return out
+        self._bind(out, self._op(func, args, kwargs, out))
+        return out
+
+    def _op(self, func, args, kwargs, out) -> torch.fx.Node:
+        read = lambda x: self._read(x, func) if isinstance(x, torch.Tensor) else x   # noqa: E731
+        node = self.graph.call_function(func, tree_map(read, tuple(args)), tree_map(read, dict(kwargs)))
+        node.meta["val"] = tree_map(lambda t: Value(t) if isinstance(t, torch.Tensor) else t, out)
+        phase = "bwd" if torch._C._current_graph_task_id() != -1 else "optim" if self.backward_seen else "fwd"
+        self.backward_seen |= phase == "bwd"
+        self.provenance[node.name] = (self.module[-1] if self.module else "", phase)
+        if node.target is c10d.all_reduce.default or node.target is c10d.all_gather_into_tensor.default or \
+                node.target is c10d.reduce_scatter_tensor.default:
+            group = args[-1]
+            if group not in self.axes:
+                raise CaptureError(f"{self._where()}: {func} on process group {group!r}, which is no axis of the "
+                                   f"device mesh ({', '.join(sorted(self.axes)) or 'none'})")
+            self.groups[group] = self.axes[group]
+        return node
+
+    def _in_place_collective(self, func, args) -> None:
+        """`torch.distributed`'s in-place collectives (``dist.all_reduce(t)``: ``c10d.allreduce_``, the base all-gather
+        and reduce-scatter) as their functional twins; what they write reads the new node."""
+        from torch.distributed import ProcessGroup
+        if func is c10d_.allreduce_.default:
+            tensors, group, reduce_op = args[0], ProcessGroup.unbox(args[1]).group_name, _reduce_name(args[2])
+            for tensor in tensors:
+                node = self._op(c10d.all_reduce.default, (tensor, reduce_op, group), {}, tensor)
+                self._changed(tensor, func)
+                self._bind(tensor, node)
+            return
+        output, tensor, group = args[0], args[1], ProcessGroup.unbox(args[2])
+        if func is c10d_._allgather_base_.default:
+            node = self._op(c10d.all_gather_into_tensor.default, (tensor, group.size(), group.group_name), {}, output)
+        else:
+            node = self._op(c10d.reduce_scatter_tensor.default,
+                            (tensor, _reduce_name(args[3]), group.size(), group.group_name), {}, output)
+        self._changed(output, func)
+        self._bind(output, node)
+
+    def _in_place(self, func, name: str, args, kwargs) -> None:
+        """An in-place op as its out-of-place twin; the tensor changed reads the new node, its aliases go stale."""
+        functional = FUNCTIONAL.get(func) or _overload(name.rstrip("_"), func._overloadname)
+        if functional is None:
+            raise CaptureError(f"{self._where()}: in-place {func} has no out-of-place twin to record it as")
+        target = args[0]
+        node = self._op(functional, args, kwargs, target)
+        self._changed(target, func)
+        self._bind(target, node)
+
+    def _foreach(self, func, name: str, args, kwargs, out) -> None:
+        """A `_foreach_` op as one op per element (its lists zipped, a scalar or tensor operand shared)."""
+        base = name[len("_foreach_"):]
+        in_place = base.endswith("_")
+        base = base.rstrip("_")
+        single = aten.linalg_vector_norm.default if base == "norm" else \
+            _overload(base, {"List": "Tensor", "ScalarList": "Scalar"}.get(func._overloadname, func._overloadname))
+        if single is None:
+            raise CaptureError(f"{self._where()}: {func} has no single-tensor op to record it as")
+        size = len(args[0])
+        for i in range(size):
+            each = tuple(a[i] if isinstance(a, (list, tuple)) and len(a) == size else a for a in args)
+            target = args[0][i]
+            result = target if in_place else out[i]
+            node = self._op(single, each, kwargs, result)
+            if in_place:
+                self._changed(target, func)
+            self._bind(result, node)
+
+    # -- tensors and nodes ------------------------------------------------------------------
+    def _read(self, tensor: torch.Tensor, func) -> torch.fx.Node:
+        key = id(tensor)
+        if key in self.stale:
+            raise CaptureError(f"{self._where()}: {func} reads a tensor {tuple(tensor.shape)} after {self.stale[key]} "
+                               f"changed memory it shares; a program cannot hold that aliasing")
+        node = self.node.get(key)
+        if node is not None:
+            return node
+        if key in self.empty:
+            raise CaptureError(f"{self._where()}: {func} reads a {_describe(tensor)} made by {self.empty[key]} that no "
+                               f"op wrote whole")
+        known = self.known.get(key)
+        if known is None or known[0] is not tensor:
+            raise CaptureError(f"{self._where()}: {func} reads a {_describe(tensor)} that no recorded op made and "
+                               f"that is no parameter, optimizer state or batch tensor of the step")
+        _, name, role = known
+        node = self.graph.placeholder(_identifier(name))
+        node.meta["val"] = Value(tensor)
+        self.placeholders[node.name] = (name, role)
+        self._bind(tensor, node)
+        return node
+
+    def _bind(self, value, node: torch.fx.Node) -> None:
+        """The tensor(s) `value` hold `node` (a list or tuple of tensors: one getitem each)."""
+        if isinstance(value, torch.Tensor):
+            self.alive.append(value)
+            self.node[id(value)] = node
+            self.stale.pop(id(value), None)
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                if isinstance(item, torch.Tensor):
+                    part = self.graph.call_function(operator.getitem, (node, i))
+                    part.meta["val"] = Value(item)
+                    self.provenance[part.name] = self.provenance.get(node.name, ("", "fwd"))
+                    self._bind(item, part)
+
+    def _changed(self, tensor: torch.Tensor, func) -> None:
+        """Every other tensor seen sharing `tensor`'s memory is stale."""
+        storage = _storage(tensor)
+        for other in self.alive:
+            if other is not tensor and _storage(other) == storage:
+                self.stale[id(other)] = str(func)
+
+    def _where(self) -> str:
+        return f"module {self.module[-1]!r}" if self.module and self.module[-1] else "the step"
+
+    # -- module paths -----------------------------------------------------------------------
+    def watch(self, model: torch.nn.Module) -> list:
+        """Forward hooks that keep the module path stack; returns their handles."""
+        handles = []
+        for path, sub in model.named_modules():
+            if path:
+                handles.append(sub.register_forward_pre_hook(lambda _m, _a, path=path: self.module.append(path)))
+                handles.append(sub.register_forward_hook(lambda _m, _a, _o: self.module.pop() and None))
+        return handles
+
+    def mark(self, name: str, tensor: torch.Tensor) -> None:
+        """Output `name` is `tensor`'s value now (a gradient as backward made it, before clipping changed it)."""
+        self.marked.append((name, self._read(tensor, f"output {name}")))
+
+    def recording(self, outputs: list[tuple[str, torch.Tensor]]) -> Recording:
+        """The graph with the outputs marked, then `outputs` (name, tensor) read at their current values."""
+        ends = self.marked + [(name, self._read(tensor, f"output {name}")) for name, tensor in outputs]
+        self.graph.output(tuple(node for _, node in ends))
+        return Recording(torch.fx.GraphModule(torch.nn.Module(), self.graph), dict(self.placeholders),
+                         [(name, node.name) for name, node in ends], dict(self.provenance), dict(self.groups))
+
+
+def _all_reduce(cv: Converter, x, reduce_op: str, group: str):
+    if reduce_op not in REDUCE_OPS:
+        raise cv.error(f"all_reduce with {reduce_op!r} (only {', '.join(REDUCE_OPS)})")
+    return cv.emit(Op.ALL_REDUCE, [cv.arg(x)], {"axes": list(cv.joint.groups[group]), "reduce": REDUCE_OPS[reduce_op]})
+
+
+def _all_gather(cv: Converter, x, _size: int, group: str):
+    return cv.emit(Op.ALL_GATHER, [cv.arg(x)], {"axes": list(cv.joint.groups[group]), "dim": 0})
+
+
+def _reduce_scatter(cv: Converter, x, reduce_op: str, _size: int, group: str):
+    if reduce_op not in REDUCE_OPS:
+        raise cv.error(f"reduce_scatter with {reduce_op!r} (only {', '.join(REDUCE_OPS)})")
+    return cv.emit(Op.REDUCE_SCATTER, [cv.arg(x)], {"axes": list(cv.joint.groups[group]), "dim": 0,
+                                                    "reduce": REDUCE_OPS[reduce_op]})
+
+
+COLLECTIVES: dict[Any, Callable] = {
+    c10d.all_reduce.default: _all_reduce,
+    c10d.all_gather_into_tensor.default: _all_gather,
+    c10d.reduce_scatter_tensor.default: _reduce_scatter,
+}
+
+
+class RankConverter(Converter):
+    """`Converter` for a `Recording`: its inputs by role, its outputs as recorded, and the collectives."""
+
+    converters = {**CONVERTERS, **COLLECTIVES}
+
+    def run(self) -> Graph:
+        return Graph(tuple(self._walk()), tuple(self.nodes), tuple(self._outputs()), name="rank")
+
+    def _outputs(self) -> list[tuple[str, str]]:
+        return [(name, self.names[node]) for name, node in self.joint.outputs]
+
+    def _input(self, node: torch.fx.Node) -> TensorSpec:
+        name, role = self.joint.inputs[node.name]
+        self.names[node.name] = name
+        val = node.meta["val"]
+        return TensorSpec(name, tuple(Expr.const(int(s)) for s in val.shape), dtype_name(val.dtype, name), role,
+                          positive=role == "state" and name.startswith("exp_avg_sq/"))
+
+
+def _reduce_name(op) -> str:
+    """A c10d ReduceOp script object's reduction, as the functional collectives name it."""
+    from torch.distributed import ReduceOp
+    kinds = {int(ReduceOp.RedOpType.SUM): "sum", int(ReduceOp.RedOpType.AVG): "avg",
+             int(ReduceOp.RedOpType.MAX): "max", int(ReduceOp.RedOpType.MIN): "min",
+             int(ReduceOp.RedOpType.PRODUCT): "product"}
+    code = int(op.op())
+    return kinds.get(code, f"reduce op {code}")
+
+
+def _overload(name: str, overload: str):
+    packet = getattr(aten, name, None)
+    return getattr(packet, overload, None) if packet is not None else None
+
+
+def _fake(args, kwargs, out) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+    return any(isinstance(t, FakeTensor) for t in tree_leaves((args, kwargs, out)))
+
+
+def _storage(tensor: torch.Tensor):
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _describe(tensor: torch.Tensor) -> str:
+    return f"tensor of shape {tuple(tensor.shape)} and dtype {tensor.dtype}"
+
+
+def _identifier(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name)

@@ -1,0 +1,333 @@
+"""A user's torch.distributed training script, run on every rank and recorded into a plan.
+
+The script is a Python file (or module) that says what the user's training
+script does, as functions tv_ray calls on each rank:
+
+    MESH = {"tp": 2}                     # device mesh axes and sizes, outer to inner (their product: the world size)
+    def model(): ...                     # the single-device model (torch is seeded alike before, on every rank)
+    def parallelize(model, mesh): ...    # what the training script does to it (DTensor, FSDP2, ...); returns it
+    def optimizer(params): ...           # torch.optim.SGD (AdamW: see below)
+    def batch(): ...                     # one step's global batch: {name: tensor}
+    def shard(batch, mesh): ...          # optional: this rank's part of it (default: all of it)
+    def loss(model, batch): ...          # forward and loss on a batch
+    CLIP = 1.0                           # optional: clip_grad_norm_'s max norm
+    HIGHS = {"tokens": 128}              # integer batch tensors: values lie in [0, high)
+
+Each rank runs as a gloo process on CPU (`world_size` = the mesh's size):
+it builds the mesh (`init_device_mesh`), the model, its parallelization and
+optimizer, runs one warm step (optimizer state and DTensor's caches made),
+then records a second one (`tv_ray.frontend.record`): loss, backward,
+clipping, optimizer step. Its program's boundary lineage is read off the
+tensors themselves — a parameter's, gradient's and updated parameter's
+slice from its DTensor placements (`compute_local_shape_and_global_offset`;
+a replicated plain tensor: all of it), the loss likewise, a batch tensor's
+by finding its value in the global batch — each stated for that rank alone
+(``where`` pins every mesh coordinate but a partial sum's axes). The logical
+graph is the single-device model's step captured as `tv-ray plan` captures
+one (`capture_step`): the same loss function, optimizer and clipping.
+Programs equal across ranks are stored once.
+
+AdamW is not recorded yet: torch reads its step count into Python for the
+bias corrections, so a recorded program would hold one step's constants.
+"""
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from tv_ray.errors import CaptureError, TraceFailed
+from tv_ray.frontend.optim import SGD, capture_step
+from tv_ray.frontend.record import RankConverter, Recorder
+from tv_ray.ir import Graph
+from tv_ray.plan import FORMAT, Fixed, Lineage, Plan, RankMap
+
+SEED = 0
+REQUIRED = ("MESH", "model", "parallelize", "optimizer", "batch", "loss")
+
+
+def load_script(path: str | Path) -> ModuleType:
+    """The script as a module (a `CaptureError` naming what it lacks)."""
+    path = Path(path)
+    if not path.is_file():
+        raise CaptureError(f"{path}: no such script")
+    spec = importlib.util.spec_from_file_location(f"tv_ray_traced_{path.stem}", path)
+    script = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = script
+    spec.loader.exec_module(script)
+    missing = [name for name in REQUIRED if not hasattr(script, name)]
+    if missing:
+        raise CaptureError(f"{path}: defines no {', '.join(missing)} (a traced script defines {', '.join(REQUIRED)}; "
+                           f"see tv_ray.frontend.traced)")
+    mesh = script.MESH
+    if not isinstance(mesh, dict) or not mesh or not all(isinstance(k, str) and isinstance(v, int) and v >= 1
+                                                          for k, v in mesh.items()):
+        raise CaptureError(f"{path}: MESH must map mesh axis names to sizes, e.g. {{'dp': 2, 'tp': 2}}; got {mesh!r}")
+    return script
+
+
+def trace(script: str | Path, world_size: int | None = None) -> Plan:
+    """The plan of `script` (module docstring), its ranks run as `world_size` gloo processes."""
+    loaded = load_script(script)
+    mesh = dict(loaded.MESH)
+    size = 1
+    for n in mesh.values():
+        size *= n
+    if world_size is not None and world_size != size:
+        raise CaptureError(f"{script}: MESH {mesh} has {size} ranks, but --world-size is {world_size}")
+    with tempfile.TemporaryDirectory(prefix="tv-ray-trace-") as out:
+        _run_ranks(str(Path(script).resolve()), size, out)
+        ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(size)]
+    return _plan(loaded, mesh, ranks)
+
+
+# -- the ranks ---------------------------------------------------------------------------------
+def _run_ranks(script: str, world_size: int, out: str) -> None:
+    """Run every rank as a process of its own (`python -m tv_ray.frontend.traced`); the first rank that fails
+    stops the others and raises `TraceFailed` with its traceback."""
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "tv_ray.frontend.traced", str(rank), str(world_size), script,
+                               str(port), out], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for rank in range(world_size)]
+    try:
+        while any(p.poll() is None for p in procs):
+            failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+            if failed:
+                break
+            time.sleep(0.05)
+        failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    if failed:       # the rank that failed first: the others often fail after it, at a collective it left
+        errors = {r: Path(out, f"rank{r}.error") for r in range(world_size) if Path(out, f"rank{r}.error").exists()}
+        rank = min(errors, key=lambda r: errors[r].stat().st_mtime_ns) if errors else failed[0]
+        error = Path(out, f"rank{rank}.error")
+        why = error.read_text() if error.exists() else procs[rank].stderr.read()
+        raise TraceFailed(f"rank {rank} of {world_size} failed:\n{why.rstrip()}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world_size: int, script: str, port: int, out: str) -> int:
+    try:
+        record = _record_rank(rank, world_size, load_script(script), port)
+    except BaseException:   # noqa: BLE001 — reported by the parent, with the traceback
+        Path(out, f"rank{rank}.error").write_text(traceback.format_exc())
+        return 1
+    Path(out, f"rank{rank}.json").write_text(json.dumps(record))
+    return 0
+
+
+def _record_rank(rank: int, world_size: int, script: ModuleType, port: int) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}")
+    try:
+        names, sizes = zip(*script.MESH.items())
+        mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
+        torch.manual_seed(SEED)
+        model = script.parallelize(script.model(), mesh)
+        optimizer = script.optimizer(model.parameters())
+        _supported(optimizer)
+        torch.manual_seed(SEED + 1)
+        whole = script.batch()
+        batch = script.shard(whole, mesh) if hasattr(script, "shard") else whole
+        clip = getattr(script, "CLIP", None)
+        _step(script, model, optimizer, batch, clip)          # warm: optimizer state, DTensor's caches
+        params = dict(model.named_parameters())
+        known = {id(_local(p)): (_local(p), name, "param") for name, p in params.items()}
+        known |= {id(t): (t, name, "data") for name, t in batch.items()}
+        axes = {mesh.get_group(i).group_name: (name,) for i, name in enumerate(names)}
+        recorder = Recorder(known, axes)
+        grads: dict[str, Any] = {}
+
+        def made(param, name: str) -> None:      # a gradient as backward leaves it (clipping changes it after)
+            grads[name] = param.grad
+            recorder.mark(f"grad/{name}", _local(param.grad))
+        hooks = [p.register_post_accumulate_grad_hook(lambda p, name=name: made(p, name)) for name, p in params.items()]
+        hooks += recorder.watch(model)
+        try:
+            with recorder:
+                loss = _step(script, model, optimizer, batch, clip)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        ends = [("loss", loss)] + [(f"new/{n}", p) for n, p in params.items()]
+        program = RankConverter(recorder.recording([(name, _local(t)) for name, t in ends])).run()
+        coords = dict(zip(names, (int(c) for c in mesh.get_coordinate())))
+        return {"program": program.to_json(), "coords": coords,
+                "boxes": {**{name: _box(t, mesh) for name, t in [*params.items(), ("loss", loss)]},
+                          **{f"grad/{n}": _box(g, mesh, params[n]) for n, g in grads.items()},
+                          **{f"new/{n}": _box(p, mesh, p) for n, p in params.items()}},
+                "batch": {name: _found(t, whole[name], name) for name, t in batch.items()}}
+    finally:
+        dist.destroy_process_group()
+
+
+def _step(script, model, optimizer, batch, clip):
+    loss = script.loss(model, batch)
+    loss.backward()
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def _supported(optimizer) -> None:
+    if type(optimizer) is not torch.optim.SGD:
+        raise CaptureError(f"optimizer {type(optimizer).__name__}: only torch.optim.SGD is recorded (AdamW reads its "
+                           f"step count into Python: tv_ray.frontend.traced)")
+    for group in optimizer.param_groups:
+        extra = {k: group[k] for k in ("momentum", "weight_decay", "dampening") if group.get(k)}
+        if extra or group.get("nesterov") or group.get("maximize"):
+            raise CaptureError(f"optimizer SGD with {extra or 'nesterov/maximize'}: only plain SGD (lr) is recorded")
+
+
+def _local(tensor):
+    """A DTensor's local shard, the very tensor its ops run on (`to_local()` would make an alias of it)."""
+    from torch.distributed.tensor import DTensor
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def _box(tensor, mesh, like=None) -> dict:
+    """Where a tensor lies in its logical tensor: per dim (offset, local size, global size), and its partial axes —
+    from its DTensor placements, else from megatron-core's partition attributes of the parameter it is (or is
+    `like`: a gradient or an updated parameter) on the mesh's "tp" axis, else all of it."""
+    from torch.distributed.tensor import DTensor
+    if isinstance(tensor, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+        if any(p.is_partial() and getattr(p, "reduce_op", "sum") != "sum" for p in tensor.placements):
+            raise CaptureError(f"a tensor partial by {tensor.placements}: only sums are lineage")
+        partial = [tensor.device_mesh.mesh_dim_names[i] for i, p in enumerate(tensor.placements) if p.is_partial()]
+        return {"dims": [[int(o), int(s), int(n)] for o, s, n in zip(offset, shape, tensor.shape)],
+                "partial": partial}
+    dims = [[0, n, n] for n in tensor.shape]
+    owner = tensor if like is None else like
+    if getattr(owner, "tensor_model_parallel", False):
+        d, stride = owner.partition_dim, getattr(owner, "partition_stride", 1)
+        if stride != 1:
+            raise CaptureError(f"a parameter partitioned with stride {stride}: only stride 1 is lineage")
+        tp = mesh["tp"]
+        n = tensor.shape[d]
+        dims[d] = [tp.get_local_rank() * n, n, n * tp.size()]
+    return {"dims": dims, "partial": []}
+
+
+def _found(local: torch.Tensor, whole: torch.Tensor, name: str) -> dict:
+    """A batch tensor's box in the global batch, found by value: a contiguous chunk along one dim (or all of it)."""
+    if local.shape == whole.shape:
+        if torch.equal(local, whole):
+            return {"dims": [[0, n, n] for n in whole.shape], "partial": []}
+    else:
+        for d, (n, m) in enumerate(zip(local.shape, whole.shape)):
+            if n != m and m % n == 0 and local.shape[:d] + local.shape[d + 1:] == whole.shape[:d] + whole.shape[d + 1:]:
+                for k in range(m // n):
+                    if torch.equal(whole.narrow(d, k * n, n), local):
+                        box = [[0, s, s] for s in whole.shape]
+                        box[d] = [k * n, n, m]
+                        return {"dims": box, "partial": []}
+    raise CaptureError(f"batch tensor {name!r} {tuple(local.shape)} on this rank is no chunk of the global batch's "
+                       f"{tuple(whole.shape)}: shard() must return slices of batch()'s tensors")
+
+
+# -- the plan -----------------------------------------------------------------------------------
+def _plan(script: ModuleType, mesh: dict[str, int], ranks: list[dict]) -> Plan:
+    programs: dict[str, Graph] = {}
+    by_json: dict[str, str] = {}
+    chosen = []
+    for r, record in enumerate(ranks):
+        text = json.dumps(record["program"], sort_keys=True)
+        if text not in by_json:
+            by_json[text] = f"rank{r}"
+            programs[f"rank{r}"] = Graph.from_json(record["program"], f"programs.rank{r}", name=f"rank{r}")
+        chosen.append(by_json[text])
+    overrides = tuple((r, name) for r, name in enumerate(chosen) if name != chosen[0])
+    lineage = []
+    for record in ranks:
+        for tensor, box in {**record["boxes"], **record["batch"]}.items():
+            lineage.append(_entry(record["coords"], tensor, _logical_name(tensor), box))
+    return Plan(format=FORMAT, model=Path(script.__file__).stem, dims={}, mesh=tuple(mesh.items()),
+                microbatches=1, schedule="none", logical=_logical(script), programs=programs,
+                ranks=RankMap(chosen[0], overrides), lineage=tuple(dict.fromkeys(lineage)))
+
+
+def _logical_name(tensor: str) -> str:
+    return tensor
+
+
+def _entry(coords: dict[str, int], tensor: str, logical: str, box: dict) -> Lineage:
+    cuts = []
+    for d, (offset, size, whole) in enumerate(box["dims"]):
+        if size != whole:
+            if whole % size or offset % size:
+                raise CaptureError(f"{tensor}: a chunk of {size} at {offset} of {whole} along dim {d} is no equal "
+                                   f"split (uneven shards are not lineage)")
+            cuts.append((d, (Fixed(offset // size, whole // size),)))
+    where = tuple((axis, c) for axis, c in coords.items() if axis not in box["partial"])
+    return Lineage(where, tensor, logical, tuple(cuts), tuple(box["partial"]))
+
+
+class _Step(torch.nn.Module):
+    """The single-device model with the script's loss, its forward taking the batch tensors by name."""
+
+    def __init__(self, model: torch.nn.Module, loss, names: list[str]):
+        super().__init__()
+        self.model, self.loss_fn, self.names = model, loss, names
+
+    def forward(self, *tensors):
+        return self.loss_fn(self.model, dict(zip(self.names, tensors)))
+
+
+def _logical(script: ModuleType) -> Graph:
+    """The single-device step: the script's model and loss captured, its optimizer and clipping appended."""
+    torch.manual_seed(SEED)
+    model = script.model()
+    optimizer = script.optimizer(model.parameters())
+    _supported(optimizer)
+    torch.manual_seed(SEED + 1)
+    whole = script.batch()
+    names = list(whole)
+    step = _Step(model, script.loss, names)
+    step.forward.__func__.__signature__ = inspect.Signature(
+        [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)] +
+        [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names])
+    graph = capture_step(step, tuple(whole[n] for n in names), optim=SGD(lr=optimizer.param_groups[0]["lr"]),
+                         clip=getattr(script, "CLIP", None), int_highs=getattr(script, "HIGHS", None))
+    return _without_prefix(graph, "model.")
+
+
+def _without_prefix(graph: Graph, prefix: str) -> Graph:
+    """The graph with `prefix` dropped from every parameter's name (in inputs, args and outputs)."""
+    params = {s.name: s.name[len(prefix):] for s in graph.inputs if s.role == "param" and s.name.startswith(prefix)}
+    rename = lambda name: params.get(name, name)    # noqa: E731
+    out = lambda name: name.split("/", 1)[0] + "/" + rename(name.split("/", 1)[1]) if "/" in name else name  # noqa: E731
+    from dataclasses import replace
+    return Graph(tuple(replace(s, name=rename(s.name)) for s in graph.inputs),
+                 tuple(replace(n, args=tuple(rename(a) for a in n.args)) for n in graph.nodes),
+                 tuple((out(name), rename(value)) for name, value in graph.outputs), graph.name)
+
+
+if __name__ == "__main__":          # one rank: RANK WORLD_SIZE SCRIPT PORT OUT (`_run_ranks`)
+    sys.exit(_rank_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5]))
