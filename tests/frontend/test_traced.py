@@ -15,6 +15,7 @@ from tv_ray.frontend.traced import trace
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).parent / "scripts"
 DTENSOR_MLP = ROOT / "docs" / "examples" / "dtensor_mlp.py"
+DTENSOR_LLAMA = ROOT / "docs" / "examples" / "dtensor_llama.py"
 
 
 def verified(plan):
@@ -28,6 +29,19 @@ def test_dtensor_tensor_parallel_mlp_is_proved():
     assert ops.count("all_reduce") == 1         # the down projection's output (the batch needs no gradient)
     result = verified(plan)
     assert result.proved, result.report.get("headline")
+
+
+def test_torchtitan_style_llama_is_proved_and_checked(tmp_path):
+    """Sequence parallel norms, a vocabulary-parallel embedding, output and loss (loss_parallel), two layers."""
+    from tv_ray.certificate import check_certificate
+    plan = trace(DTENSOR_LLAMA)
+    ops = {node.op.value for program in plan.programs.values() for node in program.nodes}
+    assert {"all_gather", "reduce_scatter", "all_reduce", "scatter", "gather"} <= ops
+    result = verified(plan)
+    assert result.proved, result.report.get("headline")
+    result.save(tmp_path / "out")
+    report = check_certificate(tmp_path / "out")          # raises if anything fails
+    assert report.different_method == report.unique == result.outcome.counts()["unique"]
 
 
 def test_megatron_style_tensor_parallelism_is_proved():

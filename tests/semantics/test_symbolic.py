@@ -96,6 +96,38 @@ def test_choice_select_and_int_ops():
     assert out.item().table == (False, True, False)
 
 
+@pytest.mark.parametrize("op", ["gather", "scatter", "scatter_add"])
+def test_gather_and_scatter_by_an_index_from_data_match_the_concrete_rule(op):
+    """A row indexed by a token: at every value of the token, the symbolic value is the concrete one."""
+    from tv_ray.semantics import eval_node
+    tok = Atom("tok", (0,))
+    x = np.asarray([[var(f"x{i}{j}") for j in range(3)] for i in range(2)], dtype=object)
+    src = np.asarray([[var("s0")], [var("s1")]], dtype=object)
+    index = np.asarray([[choice(tok, 3)], [1]], dtype=object)
+    args, shape = ([x, index], (2, 1)) if op == "gather" else ([x, index, src], (2, 3))
+    node = Node.make("o", op, ["x", "i", "s"][:len(args)], {"dim": 1}, shape)
+    got = eval_symbolic(node, args, {})
+    atoms = {f"x{i}{j}": float(3 * i + j + 1) for i in range(2) for j in range(3)} | {"s0": 10.0, "s1": 20.0}
+    for v in range(3):
+        concrete = [np.arange(1.0, 7.0).reshape(2, 3), np.asarray([[v], [1]])] + \
+            ([np.asarray([[10.0], [20.0]])] if op != "gather" else [])
+        want = eval_node(node, concrete, {})
+        for idx in np.ndindex(shape):
+            assert evaluate(got[idx], atoms, {tok: v}) == want[idx], (v, idx)
+
+
+def test_a_choice_inside_a_choice_on_the_same_token_has_no_product_of_its_indicators():
+    """select(t, [.., select(t, ..), ..]) takes the inner one where the token is that value (one-hot)."""
+    t = choice(Atom("tok", (0,)), 3)
+    inner = select(t, [var("a"), var("b"), var("c")])
+    outer = select(t, [inner, var("d"), inner])
+    for v in range(3):
+        assert evaluate(outer, {"a": 1.0, "b": 2.0, "c": 4.0, "d": 8.0}, {Atom("tok", (0,)): v}) == [1.0, 8.0, 4.0][v]
+    def has_indicator(term) -> bool:
+        return any(a.kind is Kind.VAR and is_indicator(a.payload) for a in postorder(term))
+    assert not [n for n in postorder(outer) if n.kind is Kind.MUL and sum(map(has_indicator, n.args)) > 1]
+
+
 def test_two_data_elements_in_one_int_value_are_refused():
     node = Node.make("s", "add", ["a", "b"], {}, [], "int")
     with pytest.raises(SymbolicError, match="depends on two data elements"):

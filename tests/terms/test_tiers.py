@@ -124,3 +124,17 @@ def test_uninterpreted_functions_are_consistent_across_sides():
 def test_tier1_never_proves():
     x = var("x")
     assert refute(x, x).verdict == "unknown" and not refute(x, x).proved
+
+
+def test_one_hot_indicators_are_zero_or_one_and_exclusive():
+    """δᵤ·δᵥ = 0 for two values of one data element, δᵥ² = δᵥ; indicators of different elements stay apart."""
+    from tv_ray.terms.atom import Atom
+    from tv_ray.terms.onehot import indicator
+    a, b = Atom("tok", (0,)), Atom("tok", (1,))
+    w = var("w")
+    assert prove_equal(mul(indicator(a, 0, 3), indicator(a, 1, 3), w), const(0)) == \
+        Proved(method="normalised", axioms=("onehot",))
+    assert prove_equal(mul(indicator(a, 1, 3), indicator(a, 1, 3), w), mul(indicator(a, 1, 3), w)).proved
+    # the eliminated last value: δ₂ = 1 − δ₀ − δ₁, so δ₀·δ₂ = δ₀ − δ₀² − δ₀δ₁ = 0
+    assert prove_equal(mul(indicator(a, 0, 3), indicator(a, 2, 3)), const(0)).proved
+    assert not prove_equal(mul(indicator(a, 0, 3), indicator(b, 1, 3)), const(0)).proved

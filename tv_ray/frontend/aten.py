@@ -191,7 +191,7 @@ def _backward_with_dim(op: Op) -> Callable:
 
 def _reshape(op: Op) -> Callable:
     """view/expand: the size attribute is the result's shape (resolves -1 entries)."""
-    return lambda cv, x, _size, *_, **__: cv.emit(op, [cv.arg(x)], {"size": _out_shape(cv)})
+    return lambda cv, x, *_, **__: cv.emit(op, [cv.arg(x)], {"size": _out_shape(cv)})
 
 
 def _slice_bounds(size: int, start, end, step) -> tuple[int, int, int]:
@@ -287,6 +287,12 @@ def _split(cv: Converter, x, split_size, dim=0):
     cv.alias(tuple(outs))
 
 
+def _chunk(cv: Converter, x, chunks, dim=0):
+    """chunk: split into pieces of ceil(size / chunks)."""
+    size = int(x.meta["val"].shape[_dim(cv, x, dim)])
+    return _split(cv, x, -(-size // chunks), dim)
+
+
 def _rsub(cv: Converter, x, other, alpha=1):
     """other - alpha*x as add(neg(x) [scaled], other)."""
     if alpha != 1:
@@ -351,7 +357,13 @@ def _getitem(cv: Converter, x, index):
 
 
 def _where(cv: Converter, cond, a, b):
-    return cv.emit(Op.WHERE, [cv.arg(cond), cv.arg(a), cv.arg(b)])
+    """where(cond, a, b); a Python scalar side is a tensor of it shaped like the result."""
+    def side(x, tag: str) -> str:
+        if isinstance(x, torch.fx.Node):
+            return cv.arg(x)
+        return cv.emit(Op.FULL, [], {"size": _out_shape(cv), "value": _scalar(x),
+                                     "dtype": dtype_name(cv.fx.meta["val"].dtype, cv.fx.name)}, suffix=tag)
+    return cv.emit(Op.WHERE, [cv.arg(cond), side(a, "_self"), side(b, "_other")])
 
 
 def _clamp(cv: Converter, x, min=None, max=None):
@@ -402,6 +414,74 @@ def _to(cv: Converter, x, *args, **kwargs):
     return cv.emit(Op.CAST, [cv.arg(x)], {"dtype": want})
 
 
+def _masked_fill(cv: Converter, x, mask, value):
+    """x with `value` where mask holds: where(mask, value, x)."""
+    filled = cv.emit(Op.FULL_LIKE, [cv.arg(x)], {"value": float(value)}, suffix="_fill")
+    return cv.emit(Op.WHERE, [cv.arg(mask), filled, cv.arg(x)])
+
+
+def _index_put(cv: Converter, x, indices, values, accumulate=False):
+    """x[mask] = values for one boolean mask over x's leading dims (a vocabulary-parallel embedding zeroing the
+    rows of tokens outside its shard): where(mask, values, x), both broadcast to x's shape; and
+    x[arange(n), cols] = values on an (n, m) x (a vocabulary-parallel loss's gradient): a scatter along dim 1."""
+    kinds = [None if i is None else i.meta["val"].dtype for i in indices]
+    if not accumulate and kinds == [torch.bool]:
+        return _masked_put(cv, x, indices[0], values)
+    if not accumulate and kinds == [torch.int64, torch.int64] and cv.rank(x) == 2 and _is_arange(indices[0]) and \
+            tuple(indices[0].meta["val"].shape) == (x.meta["val"].shape[0],):
+        n = x.meta["val"].shape[0]
+        column = _Val((n, 1), torch.int64)
+        cols = cv.emit(Op.UNSQUEEZE, [cv.arg(indices[1])], {"dim": 1}, suffix="_cols", val=column)
+        rows = cv.emit(Op.EXPAND, [cv.arg(values)], {"size": [n]}, suffix="_values", val=_Val((n,), values.meta["val"].dtype))
+        src = cv.emit(Op.UNSQUEEZE, [rows], {"dim": 1}, suffix="_src", val=_Val((n, 1), values.meta["val"].dtype))
+        return cv.emit(Op.SCATTER, [cv.arg(x), cols, src], {"dim": 1})
+    raise cv.error(f"index_put with indices {[None if k is None else str(k) for k in kinds]}, "
+                   f"accumulate={accumulate}: only one boolean mask, or (arange, columns) on a matrix, not "
+                   f"accumulated, is supported")
+
+
+def _is_arange(node) -> bool:
+    """Is the FX node arange(n) from 0 by 1 (through aliases)?"""
+    while node.target in (aten.detach.default, aten.alias.default):
+        node = node.args[0]
+    if node.target is aten.arange.default:
+        return True
+    if node.target in (aten.arange.start, aten.arange.start_step):
+        start = node.args[0]
+        step = node.args[2] if len(node.args) > 2 else node.kwargs.get("step", 1)
+        return start == 0 and step == 1
+    return False
+
+
+def _masked_put(cv: Converter, x, mask, values):
+    shape, val = _out_shape(cv), x.meta["val"]
+    lead = len(mask.meta["val"].shape)
+    name = cv.arg(mask)
+    for k in range(lead, len(shape)):
+        name = cv.emit(Op.UNSQUEEZE, [name], {"dim": k}, suffix=f"_mask{k}",
+                       val=_Val(tuple(shape[:lead]) + (1,) * (k + 1 - lead), torch.bool))
+    mask_full = cv.emit(Op.EXPAND, [name], {"size": shape}, suffix="_mask", val=_Val(tuple(shape), torch.bool))
+    fill = cv.emit(Op.EXPAND, [cv.arg(values)], {"size": shape}, suffix="_values", val=val)
+    return cv.emit(Op.WHERE, [mask_full, fill, cv.arg(x)])
+
+
+def _gather(cv: Converter, x, dim, index, sparse_grad=False):
+    return cv.emit(Op.GATHER, [cv.arg(x), cv.arg(index)], {"dim": _dim(cv, x, dim)})
+
+
+def _scatter(op: Op) -> Callable:
+    """scatter / scatter_add of a source tensor, or scatter of a scalar value (a tensor of it shaped like index)."""
+    def convert(cv: Converter, x, dim, index, src):
+        if not isinstance(src, torch.fx.Node):
+            src = cv.emit(Op.FULL, [], {"size": list(index.meta["val"].shape), "value": _scalar(src),
+                                        "dtype": dtype_name(x.meta["val"].dtype, cv.fx.name)},
+                          suffix="_src", val=_Val(tuple(index.meta["val"].shape), x.meta["val"].dtype))
+        else:
+            src = cv.arg(src)
+        return cv.emit(op, [cv.arg(x), cv.arg(index), src], {"dim": _dim(cv, x, dim)})
+    return convert
+
+
 class _Val:
     """A shape and dtype for an IR node with no FX node of its own."""
 
@@ -419,6 +499,8 @@ CONVERTERS: dict[Any, Callable] = {
     aten.alias.default: _drop,
     aten.lift_fresh_copy.default: _drop,
     aten.to.dtype: _to,
+    aten.to.device: _to,
+    aten.to.dtype_layout: _to,
     aten._to_copy.default: _to,
     operator.getitem: _getitem,
     # constants
@@ -440,6 +522,8 @@ CONVERTERS: dict[Any, Callable] = {
     aten.view.default: _reshape(Op.VIEW),
     aten._unsafe_view.default: _reshape(Op.VIEW),
     aten.reshape.default: _reshape(Op.VIEW),
+    aten.view_as.default: _reshape(Op.VIEW),
+    aten.flatten.using_ints: _reshape(Op.VIEW),
     aten.expand.default: _reshape(Op.EXPAND),
     aten.t.default: _t,
     aten.transpose.int: _transpose,
@@ -452,6 +536,7 @@ CONVERTERS: dict[Any, Callable] = {
     aten.cat.default: _cat,
     aten.stack.default: _stack,
     aten.split.Tensor: _split,
+    aten.chunk.default: _chunk,
     # elementwise
     **{target: _unary(op) for target, op in (
         (aten.neg.default, Op.NEG), (aten.rsqrt.default, Op.RSQRT), (aten.sqrt.default, Op.SQRT),
@@ -464,12 +549,20 @@ CONVERTERS: dict[Any, Callable] = {
         (aten.sub.Scalar, Op.SUB), (aten.mul.Tensor, Op.MUL), (aten.mul.Scalar, Op.MUL),
         (aten.div.Tensor, Op.DIV), (aten.div.Scalar, Op.DIV), (aten.maximum.default, Op.MAXIMUM),
         (aten.minimum.default, Op.MINIMUM), (aten.eq.Scalar, Op.EQ), (aten.eq.Tensor, Op.EQ),
-        (aten.lt.Scalar, Op.LT), (aten.ge.Scalar, Op.GE))},
+        (aten.ne.Scalar, Op.NE), (aten.ne.Tensor, Op.NE),
+        (aten.lt.Scalar, Op.LT), (aten.ge.Scalar, Op.GE), (aten.lt.Tensor, Op.LT), (aten.ge.Tensor, Op.GE),
+        (aten.__or__.Tensor, Op.LOGICAL_OR), (aten.logical_or.default, Op.LOGICAL_OR),
+        (aten.bitwise_or.Tensor, Op.LOGICAL_OR), (aten.__and__.Tensor, Op.LOGICAL_AND),
+        (aten.logical_and.default, Op.LOGICAL_AND))},
     aten.rsub.Scalar: _rsub,
     aten.pow.Tensor_Scalar: _pow_tensor_scalar,
     aten.pow.Scalar: _pow_scalar,
     aten.pow.Tensor_Tensor: _mm(Op.POW),
     aten.where.self: _where,
+    aten.where.ScalarOther: _where,
+    aten.where.ScalarSelf: _where,
+    aten.masked_fill.Scalar: _masked_fill,
+    aten.index_put.default: _index_put,
     aten.clamp.default: _clamp,
     aten.addcmul.default: _addc(Op.MUL),
     aten.addcdiv.default: _addc(Op.DIV),
@@ -490,6 +583,10 @@ CONVERTERS: dict[Any, Callable] = {
     aten.nll_loss_backward.default: _nll_loss_backward,
     # indexing
     aten.embedding.default: _embedding,
+    aten.gather.default: _gather,
+    aten.scatter.value: _scatter(Op.SCATTER),
+    aten.scatter.src: _scatter(Op.SCATTER),
+    aten.scatter_add.default: _scatter(Op.SCATTER_ADD),
     aten.embedding_dense_backward.default: _embedding_backward,
 }
 

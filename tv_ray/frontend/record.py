@@ -52,6 +52,7 @@ IGNORED = {torch.ops.profiler._record_function_enter_new.default,
 FUNCTIONAL = {aten.lerp_.Scalar: aten.lerp.Scalar, aten.addcmul_.default: aten.addcmul.default,
               aten.addcdiv_.default: aten.addcdiv.default}
 REDUCE_OPS = {"sum": "sum", "avg": "avg", "max": "max"}
+LIFTS = {aten.lift_fresh.default, aten.lift_fresh_copy.default}
 UNINITIALISED = {aten.empty.memory_format, aten.empty_strided.default, aten.new_empty_strided.default,
                  aten.new_empty.default, aten.empty_like.default}
 IN_PLACE_COLLECTIVES = {c10d_.allreduce_.default, c10d_._allgather_base_.default, c10d_._reduce_scatter_base_.default}
@@ -125,6 +126,9 @@ class Recorder(TorchDispatchMode):
             self.alive.append(out)          # no value until an op writes all of it (`copy_`, a collective's output)
             self.empty[id(out)] = self.empty.get(id(args[0]), str(func)) if args else str(func)
             return out
+        if func in LIFTS and id(args[0]) not in self.node and args[0].dim() == 0:
+            self._bind(out, self._constant(args[0]))       # a scalar constant the code made: torch.tensor(3)
+            return out
         if func in IN_PLACE_COLLECTIVES:
             self._in_place_collective(func, args)
             return out
@@ -157,6 +161,11 @@ class Recorder(TorchDispatchMode):
                                    f"device mesh ({', '.join(sorted(self.axes)) or 'none'})")
             self.groups[group] = self.axes[group]
         return node
+
+    def _constant(self, scalar: torch.Tensor) -> torch.fx.Node:
+        """A 0-d constant as a recorded `full`."""
+        value = scalar.item()
+        return self._op(aten.full.default, ([], value), {"dtype": scalar.dtype}, scalar)
 
     def _in_place_collective(self, func, args) -> None:
         """`torch.distributed`'s in-place collectives (``dist.all_reduce(t)``: ``c10d.allreduce_``, the base all-gather

@@ -10,7 +10,9 @@ script does, as functions tv_ray calls on each rank:
     def batch(): ...                     # one step's global batch: {name: tensor}
     def shard(batch, mesh): ...          # optional: this rank's part of it (default: all of it)
     def loss(model, batch): ...          # forward and loss on a batch
-    CLIP = 1.0                           # optional: clip_grad_norm_'s max norm
+    def step(model, optimizer, batch): ...   # optional: the training step as the script runs it (a context around
+                                         # the loss and its backward, its own clipping); returns the loss
+    CLIP = 1.0                           # optional: clip_grad_norm_'s max norm (the default step clips so)
     HIGHS = {"tokens": 128}              # integer batch tensors: values lie in [0, high)
 
 Each rank runs as a gloo process on CPU (`world_size` = the mesh's size):
@@ -185,6 +187,9 @@ def _record_rank(rank: int, world_size: int, script: ModuleType, port: int) -> d
 
 
 def _step(script, model, optimizer, batch, clip):
+    """The script's own `step`, else: the loss, its backward, clipping, the optimizer step."""
+    if hasattr(script, "step"):
+        return script.step(model, optimizer, batch)
     loss = script.loss(model, batch)
     loss.backward()
     if clip is not None:

@@ -59,9 +59,11 @@ class Op(str, enum.Enum):
     MINIMUM = "minimum"
     CLAMP = "clamp"                # attrs: min?, max?
     EQ = "eq"                      # attrs: other?
+    NE = "ne"                      # attrs: other?
     LT = "lt"                      # attrs: other?
     GE = "ge"                      # attrs: other?
     LOGICAL_AND = "logical_and"
+    LOGICAL_OR = "logical_or"
     WHERE = "where"                # (cond, a, b)
     # reductions
     SUM = "sum"                    # attrs: dims, keepdim
@@ -126,7 +128,7 @@ def registrar(table: dict, what: str):
 UNARY = frozenset({Op.NEG, Op.RSQRT, Op.SQRT, Op.RECIPROCAL, Op.EXP, Op.LOG, Op.SIGMOID,
                    Op.SILU, Op.GELU, Op.TANH, Op.COS, Op.SIN, Op.ABS, Op.CAST, Op.CLONE})
 BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.POW, Op.MAXIMUM, Op.MINIMUM, Op.EQ,
-                    Op.LT, Op.GE, Op.LOGICAL_AND})
+                    Op.NE, Op.LT, Op.GE, Op.LOGICAL_AND, Op.LOGICAL_OR})
 ELEMENTWISE = UNARY | BINARY | frozenset({Op.WHERE, Op.CLAMP})
 REDUCTIONS = frozenset({Op.SUM, Op.MEAN, Op.AMAX})
 VIEWS = frozenset({Op.VIEW, Op.PERMUTE, Op.TRANSPOSE, Op.EXPAND, Op.UNSQUEEZE, Op.SQUEEZE,
@@ -178,6 +180,7 @@ ATTRS: Mapping[Op, Mapping[str, tuple[AttrKind, bool]]] = {
     Op.POW: {"exponent": ("float", OPTIONAL), "base": ("float", OPTIONAL)},
     Op.CLAMP: {"min": ("float", OPTIONAL), "max": ("float", OPTIONAL)},
     Op.EQ: {"other": ("float", OPTIONAL)},
+    Op.NE: {"other": ("float", OPTIONAL)},
     Op.LT: {"other": ("float", OPTIONAL)},
     Op.GE: {"other": ("float", OPTIONAL)},
     Op.SUM: _REDUCE_ATTRS,

@@ -116,9 +116,11 @@ BINARY_FUNCTIONS: dict[Op, tuple[Callable, Callable[[str, str], str]]] = {
     Op.MAXIMUM: (lambda x, y, a: np.maximum(x, y), promote),
     Op.MINIMUM: (lambda x, y, a: np.minimum(x, y), promote),
     Op.EQ: (lambda x, y, a: np.equal(x, y), lambda p, q: "bool"),
+    Op.NE: (lambda x, y, a: np.not_equal(x, y), lambda p, q: "bool"),
     Op.LT: (lambda x, y, a: np.less(x, y), lambda p, q: "bool"),
     Op.GE: (lambda x, y, a: np.greater_equal(x, y), lambda p, q: "bool"),
     Op.LOGICAL_AND: (lambda x, y, a: np.logical_and(x, y), lambda p, q: "bool"),
+    Op.LOGICAL_OR: (lambda x, y, a: np.logical_or(x, y), lambda p, q: "bool"),
 }
 
 

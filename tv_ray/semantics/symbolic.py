@@ -33,8 +33,8 @@ from tv_ray.errors import SymbolicError, UnknownOpError
 from tv_ray.ir.graph import Node
 from tv_ray.ir.ops import Op, registrar
 from tv_ray.semantics.rules_reduce import _reduced_dims
-from tv_ray.semantics.table import Context, instantiate_attrs, instantiate_shape, rule_for
-from tv_ray.terms import ONE, ZERO, Term, app, const, exp, log, max_, pow_, sum_
+from tv_ray.semantics.table import Context, instantiate_attrs, instantiate_shape, numpy_dtype, rule_for
+from tv_ray.terms import ONE, ZERO, Kind, Term, app, const, exp, log, max_, postorder, pow_, substitute, sum_
 from tv_ray.terms.atom import Atom
 from tv_ray.terms.onehot import indicator
 
@@ -89,12 +89,22 @@ def to_term(x) -> Term:
 
 
 def select(c: Choice, values: Sequence[Term]) -> Term:
-    """The float that is values[v] when c's data element is v."""
+    """The float that is values[v] when c's data element is v: Σᵥ δᵥ·values[v], each values[v] taken where the element
+    is v — its own indicators of that element made 0 or 1 (δᵥ·X = δᵥ·X|element=v), so that a choice made inside
+    another on the same element (a masked gather, a where on a token's range) gives no product of its indicators."""
     first = values[0]
     if all(v is first for v in values):
         return first
     n = len(values)
-    return sum_([indicator(c.base, v, n) * values[v] for v in range(n)])
+    return sum_([indicator(c.base, v, n) * _at_value(values[v], c.base, v, n) for v in range(n)])
+
+
+def _at_value(term: Term, element: Atom, v: int, n: int) -> Term:
+    """`term` where data element `element` (in [0, n)) is v: each of its indicators replaced by 0 or 1."""
+    own = {node: (ONE if node.payload.onehot[0] == v else ZERO) for node in postorder(term)
+           if node.kind is Kind.VAR and isinstance(node.payload, Atom) and node.payload.onehot is not None
+           and node.payload.element == element}
+    return substitute(term, own) if own else term
 
 
 def lift_int(fn: Callable, *xs):
@@ -161,7 +171,7 @@ def _slice_backward(node, xs, attrs, ctx):
 
 @register(Op.FULL, Op.FULL_LIKE, Op.ARANGE, Op.AXIS_INDEX)
 def _constant(node, xs, attrs, ctx):
-    shapes = [np.zeros(x.shape) for x in xs]
+    shapes = [np.zeros(x.shape, dtype=numpy_dtype(node.dtype)) for x in xs]    # full_like of an int tensor: ints
     value = np.asarray(rule_for(node.op, "concrete").concrete(shapes, attrs, ctx))
     return np.asarray(value.tolist() if value.ndim else value.item(), dtype=object).reshape(value.shape)
 
@@ -247,9 +257,11 @@ ARITH: dict[Op, Callable] = {
 }
 COMPARE: dict[Op, Callable] = {
     Op.EQ: lambda x, y: x == y,
+    Op.NE: lambda x, y: x != y,
     Op.LT: lambda x, y: x < y,
     Op.GE: lambda x, y: x >= y,
     Op.LOGICAL_AND: lambda x, y: bool(x) and bool(y),
+    Op.LOGICAL_OR: lambda x, y: bool(x) or bool(y),
 }
 
 
@@ -282,9 +294,14 @@ def _arith(op: Op) -> Callable:
                 a, b = to_term(a), to_term(b)
                 masked = _masked(op, a, b)
                 return masked if masked is not None else fn(a, b, attrs)
-            return lift_int(lambda p, q: fn(p, q, attrs), a, b)
+            return lift_int(lambda p, q: _integral(fn(p, q, attrs)), a, b)
         return one
     return _binary(one_for)
+
+
+def _integral(value):
+    """An integer op's value: a float scalar operand (`other` is a float attribute) gives a float; back to int."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 def _compare(op: Op) -> Callable:
@@ -556,6 +573,44 @@ def _embedding_backward(node, xs, attrs, ctx):
         hits = [to_term(lift_int(lambda t, v=v: int(t == v), flat_ids[i])) for i in range(len(flat_ids))]
         for c in range(rows.shape[1]):
             out[v, c] = sum_([h * rows[i, c] for i, h in enumerate(hits)])
+    return out
+
+
+@register(Op.GATHER)
+def _gather(node, xs, attrs, ctx):
+    """out[i] = x[i with i[dim] replaced by index[i]] (an index from data picks by its one-hot choice)."""
+    x, index, dim = xs[0], xs[1], attrs["dim"]
+    floats = node.dtype == "float"
+    out = np.empty(index.shape, dtype=object)
+    for idx in np.ndindex(index.shape):
+        row = [x[idx[:dim] + (j,) + idx[dim + 1:]] for j in range(x.shape[dim])]
+        if floats:
+            out[idx] = _pick([to_term(v) for v in row], index[idx])
+        elif isinstance(index[idx], Choice):
+            raise SymbolicError("gather of integers by an index from data has no symbolic rule")
+        else:
+            out[idx] = row[int(index[idx])]
+    return out
+
+
+@register(Op.SCATTER, Op.SCATTER_ADD)
+def _scatter(node, xs, attrs, ctx):
+    """out = x with src[i] written (added, for scatter_add) at i with i[dim] replaced by index[i], in index order; an
+    index from data writes position p by its choice: select(index[i] = p, [written, as before])."""
+    if node.dtype != "float":
+        raise SymbolicError(f"{node.op} of integers has no symbolic rule")
+    x, index, src, dim = as_dtype(xs[0], "float"), xs[1], as_dtype(xs[2], "float"), attrs["dim"]
+    add = node.op == Op.SCATTER_ADD
+    out = np.array(x, dtype=object)
+    for idx in np.ndindex(index.shape):
+        for p in range(x.shape[dim]):
+            hit = lift_int(lambda t, p=p: t == p, index[idx])
+            if hit is False:
+                continue
+            at = idx[:dim] + (p,) + idx[dim + 1:]
+            old = to_term(out[at])
+            new = to_term(src[idx]) + old if add else to_term(src[idx])
+            out[at] = select(hit, [new if h else old for h in hit.table]) if isinstance(hit, Choice) else new
     return out
 
 

@@ -19,6 +19,8 @@ Axioms beyond field arithmetic — each named, each recorded when it changes a t
   log_exp   log(exp a) = a
   max_assoc max(a, max(b, c)) = max(a, b, c)
   max_comm  max(a, b) = max(b, a)
+  onehot    δᵤ·δᵥ = 0 and δᵥᵏ = δᵥ for the indicators of one data element's values (`tv_ray.terms.onehot`):
+            each is 0 or 1, and exactly one value holds
 
 "Known positive": exp(...) atoms, positive constants, (P)^-1 for a known-positive
 P, and products and positive-coefficient sums of those. An unguarded
@@ -39,12 +41,13 @@ from typing import Callable
 
 from tv_ray.errors import NormaliseError
 from tv_ray.terms.result import Proved, Unknown
+from tv_ray.terms.onehot import is_indicator
 from tv_ray.terms.term import Kind, Term, add, app, const, mul, postorder, pow_, to_str
 
 Mono = tuple[tuple[Term, int], ...]   # sorted by atom digest, exponents nonzero
 Poly = dict[Mono, Fraction]           # nonzero coefficients only; {} is zero
 
-AXIOMS = ("exp_add", "exp_neg", "log_mul", "log_exp", "max_assoc", "max_comm")
+AXIOMS = ("exp_add", "exp_neg", "log_mul", "log_exp", "max_assoc", "max_comm", "onehot")
 _FACTOR_LIMIT = 10 ** 6  # trial-divide log constants below this; larger ones stay one atom
 
 
@@ -58,7 +61,8 @@ def _p_atom(atom: Term, e: int = 1) -> Poly:
     return {((atom, e),): Fraction(1)}
 
 
-def _m_mul(m1: Mono, m2: Mono) -> Mono:
+def _m_mul(m1: Mono, m2: Mono) -> Mono | None:
+    """The product of two monomials; None where one-hot indicators make it 0 (`_one_hot`)."""
     if not m1:
         return m2
     if not m2:
@@ -70,11 +74,30 @@ def _m_mul(m1: Mono, m2: Mono) -> Mono:
             acc[a] = s
         else:
             del acc[a]
-    return tuple(sorted(acc.items(), key=lambda ae: ae[0].digest))
+    return _one_hot(tuple(sorted(acc.items(), key=lambda ae: ae[0].digest)))
 
 
 def _m_pow(m: Mono, n: int) -> Mono:
-    return tuple((a, e * n) for a, e in m)
+    return _one_hot(tuple((a, e * n) for a, e in m)) if n > 0 else tuple((a, e * n) for a, e in m)
+
+
+def _one_hot(m: Mono) -> Mono | None:
+    """The one-hot axiom on a monomial: an indicator of a data element's value is 0 or 1, so δᵥᵏ = δᵥ for k ≥ 1, and
+    at most one value holds, so δᵤ·δᵥ = 0 for u ≠ v of the same element (None: the monomial is 0)."""
+    elements = None
+    for a, e in m:
+        if e >= 1 and a.kind is Kind.VAR and is_indicator(a.payload):
+            elements = elements or {}
+            if elements.setdefault(a.payload.element, a) is not a:
+                _one_hot_used[0] = True
+                return None
+    if elements is None or all(e == 1 for a, e in m if a in elements.values()):
+        return m
+    _one_hot_used[0] = True
+    return tuple((a, 1 if a in elements.values() else e) for a, e in m)
+
+
+_one_hot_used = [False]     # the axiom applied in the current normalise call (read by Normaliser.normalise)
 
 
 def _p_add(ps: list[Poly]) -> Poly:
@@ -98,7 +121,8 @@ def _p_mul2(p: Poly, q: Poly) -> Poly:
     for m1, c1 in p.items():
         for m2, c2 in q.items():
             m = _m_mul(m1, m2)
-            acc[m] = acc.get(m, 0) + c1 * c2
+            if m is not None:
+                acc[m] = acc.get(m, 0) + c1 * c2
     return {m: c for m, c in acc.items() if c != 0}
 
 
@@ -167,11 +191,15 @@ class Normaliser:
 
         Raises NormaliseError past `MAX_WORK` monomial products (an exploding expansion is unknown, not slow)."""
         _work[0] = 0
+        _one_hot_used[0] = False
         memo = self.memo
         for node in postorder(term):
             if node not in memo:
                 memo[node] = self._rules[node.kind](node, [memo[a] for a in node.args])
-        return self._expand(memo[term])
+        out = self._expand(memo[term])
+        if _one_hot_used[0]:
+            self.axioms.add("onehot")
+        return out
 
     def _expand(self, p: Poly) -> Poly:
         """p with every inverse atom to a negative power, (P^-1)^-k, multiplied out as P^k.

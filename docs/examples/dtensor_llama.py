@@ -1,0 +1,139 @@
+"""A tiny Llama parallelised as torchtitan parallelises it — DTensor tensor parallelism with sequence parallel
+norms, a vocabulary-parallel embedding and output, and loss_parallel's cross-entropy — traced and verified:
+
+    tv-ray trace docs/examples/dtensor_llama.py --world-size 2 -o plan.json && tv-ray verify plan.json -o out
+"""
+import math
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, loss_parallel, parallelize_module)
+
+MESH = {"tp": 2}
+DIM, HEADS, LAYERS, VOCAB, HIDDEN = 8, 4, 2, 16, 16
+BATCH, SEQ = 2, 4
+HIGHS = {"tokens": VOCAB, "targets": VOCAB}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+def rotary(x):
+    """x: (batch, seq, heads, head_dim), the rotation computed in the forward (no buffers)."""
+    b, s, h, d = x.shape
+    freqs = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=x.dtype) / d))
+    angles = torch.arange(s, dtype=x.dtype)[:, None] * freqs[None, :]
+    cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wq = nn.Linear(DIM, DIM, bias=False)
+        self.wk = nn.Linear(DIM, DIM, bias=False)
+        self.wv = nn.Linear(DIM, DIM, bias=False)
+        self.wo = nn.Linear(DIM, DIM, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        hd = DIM // HEADS
+        q = rotary(self.wq(x).view(b, s, -1, hd)).transpose(1, 2)
+        k = rotary(self.wk(x).view(b, s, -1, hd)).transpose(1, 2)
+        v = self.wv(x).view(b, s, -1, hd).transpose(1, 2)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(hd)
+        mask = torch.triu(torch.full((s, s), float("-inf"), dtype=x.dtype), 1)
+        out = torch.softmax(scores + mask, dim=-1) @ v
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Linear(DIM, HIDDEN, bias=False)
+        self.w2 = nn.Linear(HIDDEN, DIM, bias=False)
+        self.w3 = nn.Linear(DIM, HIDDEN, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attention_norm, self.attention = RMSNorm(DIM), Attention()
+        self.ffn_norm, self.feed_forward = RMSNorm(DIM), FeedForward()
+
+    def forward(self, x):
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.norm = RMSNorm(DIM)
+        self.output = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def model():
+    return Llama().double()
+
+
+def parallelize(model, mesh):
+    tp = mesh["tp"]
+    parallelize_module(model, tp, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)})
+    for block in model.layers:
+        parallelize_module(block, tp, {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel()})
+    return model
+
+
+def optimizer(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def batch():
+    return {"tokens": torch.randint(0, VOCAB, (BATCH, SEQ)), "targets": torch.randint(0, VOCAB, (BATCH, SEQ))}
+
+
+def loss(model, batch):
+    pred = model(batch["tokens"])
+    return F.cross_entropy(pred.flatten(0, 1), batch["targets"].flatten(0, 1))
+
+
+def step(model, optimizer, batch):
+    """The training step as torchtitan runs it: the loss and its backward under loss_parallel."""
+    with loss_parallel():
+        value = loss(model, batch)
+        value.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return value
