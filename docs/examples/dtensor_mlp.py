@@ -3,13 +3,14 @@
     tv-ray trace docs/examples/dtensor_mlp.py --world-size 2 -o plan.json && tv-ray verify plan.json
 
 The up projection is split by columns (ColwiseParallel), the down projection by rows (RowwiseParallel): the
-forward all-reduces the down projection's partial sums, the backward the input's gradient.
+forward all-reduces the down projection's partial sums; gradients are clipped to a global norm of 1.
 """
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 MESH = {"tp": 2}
+CLIP = 1.0           # clip_grad_norm_: DTensor sums the shards' squared norms over tp
 
 
 class MLP(torch.nn.Module):

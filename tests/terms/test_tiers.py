@@ -138,3 +138,13 @@ def test_one_hot_indicators_are_zero_or_one_and_exclusive():
     # the eliminated last value: δ₂ = 1 − δ₀ − δ₁, so δ₀·δ₂ = δ₀ − δ₀² − δ₀δ₁ = 0
     assert prove_equal(mul(indicator(a, 0, 3), indicator(a, 2, 3)), const(0)).proved
     assert not prove_equal(mul(indicator(a, 0, 3), indicator(b, 1, 3)), const(0)).proved
+
+
+def test_a_square_root_squared_is_its_argument():
+    """sqrt_sq (where sqrt is defined) and pow_half: how a sharded gradient norm is summed over ranks."""
+    a, b = var("a"), var("b")
+    norm = app("sqrt", add(mul(a, a), mul(b, b)))
+    assert prove_equal(mul(norm, norm), add(mul(a, a), mul(b, b))) == Proved(method="normalised", axioms=("sqrt_sq",))
+    assert prove_equal(app("pow[0.5]", a), app("sqrt", a)).axioms == ("pow_half",)
+    assert prove_equal(div(const(1), mul(norm, norm)), div(const(1), add(mul(a, a), mul(b, b)))).proved
+    assert not prove_equal(app("sqrt", mul(a, a)), a).proved          # sqrt(a²) is |a|, never a

@@ -19,6 +19,8 @@ Axioms beyond field arithmetic — each named, each recorded when it changes a t
   log_exp   log(exp a) = a
   max_assoc max(a, max(b, c)) = max(a, b, c)
   max_comm  max(a, b) = max(b, a)
+  pow_half  x^0.5 = sqrt(x)
+  sqrt_sq   sqrt(a)·sqrt(a) = a        where sqrt(a) is defined (a ≥ 0), as x·x⁻¹ = 1 where x ≠ 0
   onehot    δᵤ·δᵥ = 0 and δᵥᵏ = δᵥ for the indicators of one data element's values (`tv_ray.terms.onehot`):
             each is 0 or 1, and exactly one value holds
 
@@ -47,7 +49,7 @@ from tv_ray.terms.term import Kind, Term, add, app, const, mul, postorder, pow_,
 Mono = tuple[tuple[Term, int], ...]   # sorted by atom digest, exponents nonzero
 Poly = dict[Mono, Fraction]           # nonzero coefficients only; {} is zero
 
-AXIOMS = ("exp_add", "exp_neg", "log_mul", "log_exp", "max_assoc", "max_comm", "onehot")
+AXIOMS = ("exp_add", "exp_neg", "log_mul", "log_exp", "max_assoc", "max_comm", "onehot", "pow_half", "sqrt_sq")
 _FACTOR_LIMIT = 10 ** 6  # trial-divide log constants below this; larger ones stay one atom
 
 
@@ -184,7 +186,10 @@ class Normaliser:
             "exp": self._exp,
             "log": self._log,
             "max": self._max,
+            "sqrt": self._sqrt,
+            "pow[0.5]": self._sqrt,
         }
+        self._roots: dict[Term, Poly] = {}     # each sqrt atom made -> its argument's normal form
 
     def normalise(self, term: Term) -> Poly:
         """The normal form of `term` (expanded: no inverse atom to a negative power).
@@ -228,14 +233,13 @@ class Normaliser:
         return _p_add(parts)
 
     # -- field arithmetic
-    @staticmethod
-    def _mul(t: Term, ps: list[Poly]) -> Poly:
+    def _mul(self, t: Term, ps: list[Poly]) -> Poly:
         acc: Poly = {(): Fraction(1)}
         for p in ps:
             acc = _p_mul2(acc, p)
             if not acc:
                 break
-        return acc
+        return self._squared_roots(acc)
 
     def _pow(self, p: Poly, n: int) -> Poly:
         if n < 0:
@@ -248,7 +252,28 @@ class Normaliser:
             n >>= 1
             if n:
                 base = _p_mul2(base, base)
-        return acc
+        return self._squared_roots(acc)
+
+    def _squared_roots(self, p: Poly) -> Poly:
+        """sqrt_sq: sqrt(a)^(2q + r) = a^q · sqrt(a)^r in every monomial (where sqrt(a) is defined, a ≥ 0)."""
+        roots = self._roots
+        if not roots or not any(a in roots and abs(e) >= 2 for m in p for a, e in m):
+            return p
+        self.axioms.add("sqrt_sq")
+        parts: list[Poly] = []
+        for m, c in p.items():
+            acc: Poly = {(): c}
+            rest = []
+            for a, e in m:
+                if a in roots and abs(e) >= 2:
+                    q, r = divmod(e, 2)
+                    acc = _p_mul2(acc, self._pow(roots[a], q))
+                    if r:
+                        rest.append((a, r))
+                else:
+                    rest.append((a, e))
+            parts.append(_p_mul2(acc, {tuple(rest): Fraction(1)}))
+        return _p_add(parts)
 
     def _inv(self, p: Poly) -> Poly:
         if not p:
@@ -271,6 +296,15 @@ class Normaliser:
         if rule is not None:
             return rule(t, ps)
         return _p_atom(self._atom(t.payload, [self._canon(p) for p in ps]))
+
+    def _sqrt(self, t: Term, ps: list[Poly]) -> Poly:
+        """sqrt(p) as an atom whose square is p (`_squared_roots`); pow_half: x^0.5 is sqrt(x)."""
+        if t.payload != "sqrt":
+            self.axioms.add("pow_half")
+        p = self._expand(ps[0])
+        atom = self._atom("sqrt", [self._canon(p)])
+        self._roots[atom] = p
+        return _p_atom(atom)
 
     def _canon(self, p: Poly) -> Term:
         # The canonical term has the value of p, so seeding the memo with it is sound and saves
@@ -405,6 +439,13 @@ def ground_lemmas(*roots: Term) -> tuple[tuple[tuple[Term, Term], ...], tuple[st
     n = Normaliser()
     lemmas = []
     for node in postorder(*roots):
+        if node.kind is Kind.APP and node.payload in ("sqrt", "pow[0.5]"):
+            root = app("sqrt", *node.args)
+            n.axioms.add("sqrt_sq")
+            lemmas.append((mul(root, root), node.args[0]))
+            if node.payload != "sqrt":
+                n.axioms.add("pow_half")
+                lemmas.append((node, root))
         if node.kind is Kind.APP and node.payload in ("exp", "log"):
             try:
                 canonical = n._canon(n.normalise(node))
