@@ -54,33 +54,46 @@ def _unwritable(command: str, output: Path) -> bool:
     return False
 
 
+def _written(command: str, output: Path, make, one_line: bool = True):
+    """The plan `make()` builds, written to `output` as it is validated beside; None once the error was said."""
+    try:
+        plan = make()
+        output.parent.mkdir(parents=True, exist_ok=True)
+        _checked_save(plan, output)
+    except TvRayError as err:
+        print(f"tv-ray {command}: {' | '.join(str(err).splitlines()) if one_line else err}", file=sys.stderr)
+        return None
+    except OSError as err:
+        print(f"tv-ray {command}: cannot write {output}: {err.strerror or err}", file=sys.stderr)
+        return None
+    return plan
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     output = Path(args.output)
     if _unwritable("plan", output):
         return 2
     from tv_ray.api import capture_step, parallelize
-    try:
-        start = time.perf_counter()
-        dims = parse_dims(args.dims)
+    start = time.perf_counter()
+    dims, captured = {}, [start]
+
+    def make():
+        dims.update(parse_dims(args.dims))
         graph = capture_step(args.model, optim=args.optim, clip=args.clip, tied=args.tied, dims=dims or None)
-        captured = time.perf_counter()
-        plan = parallelize(graph, args.parallel, model=args.model, dims=dims or None, sp=args.sp, zero=args.zero,
+        captured[0] = time.perf_counter()
+        return parallelize(graph, args.parallel, model=args.model, dims=dims or None, sp=args.sp, zero=args.zero,
                            recipe={"optim": args.optim, "clip": args.clip, "tied": args.tied}, check=False)
-        output.parent.mkdir(parents=True, exist_ok=True)
-        _checked_save(plan, output)
-        done = time.perf_counter()
-    except TvRayError as err:
-        print(f"tv-ray plan: {' | '.join(str(err).splitlines())}", file=sys.stderr)
+    plan = _written("plan", output, make)
+    if plan is None:
         return 2
-    except OSError as err:
-        print(f"tv-ray plan: cannot write {args.output}: {err.strerror or err}", file=sys.stderr)
-        return 2
+    done = time.perf_counter()
     print(json.dumps({"plan": args.output, "model": args.model, "parallel": args.parallel, "sp": args.sp,
                       "zero": args.zero, "optim": args.optim, "clip": args.clip, "tied": args.tied,
                       "dims": dims, "ranks": plan.num_ranks,
                       "programs": {name: len(p.nodes) for name, p in plan.programs.items()},
                       "logical_ops": len(plan.logical.nodes),
-                      "seconds": {"capture": round(captured - start, 2), "parallelize": round(done - captured, 2)}}))
+                      "seconds": {"capture": round(captured[0] - start, 2),
+                                  "parallelize": round(done - captured[0], 2)}}))
     held_to_exit(plan)
     return 0
 
@@ -90,16 +103,9 @@ def cmd_trace(args: argparse.Namespace) -> int:
     if _unwritable("trace", output):
         return 2
     from tv_ray.frontend.traced import trace
-    try:
-        start = time.perf_counter()
-        plan = trace(args.script, args.world_size)
-        output.parent.mkdir(parents=True, exist_ok=True)
-        _checked_save(plan, output)
-    except TvRayError as err:
-        print(f"tv-ray trace: {err}", file=sys.stderr)
-        return 2
-    except OSError as err:
-        print(f"tv-ray trace: cannot write {args.output}: {err.strerror or err}", file=sys.stderr)
+    start = time.perf_counter()
+    plan = _written("trace", output, lambda: trace(args.script, args.world_size), one_line=False)   # a traceback
+    if plan is None:
         return 2
     print(json.dumps({"plan": args.output, "script": args.script, "mesh": dict(plan.mesh), "ranks": plan.num_ranks,
                       "programs": {name: len(p.nodes) for name, p in plan.programs.items()},
