@@ -22,6 +22,7 @@ import itertools
 import numpy as np
 
 from tv_ray.certificate.outcome import Outcome, Status, replay_stage
+from tv_ray.errors import GraphError
 from tv_ray.partition.claims import ConcreteRun, group_value
 from tv_ray.partition.stages import Obligation
 
@@ -205,6 +206,16 @@ def diagnose(outcome: Outcome, reference: dict | None = None) -> dict:
     return report
 
 
+def _source_of(outcome: Outcome, ob: Obligation) -> str | None:
+    """The line of the user's code that ran the stage's op (a traced plan's `meta.source`), if the plan says."""
+    program = outcome.plan.programs.get(ob.program)
+    try:
+        node = program.value(ob.tensor) if program is not None else None
+    except GraphError:
+        return None
+    return node.get_meta("source") if hasattr(node, "get_meta") else None
+
+
 def _stage_report(outcome: Outcome, ob: Obligation, names: dict[str, str]) -> dict:
     verdict = outcome.verdict_of(ob)
     out: dict = {"id": str(ob.id), "ranks": list(ob.ranks), "microbatch": ob.mb, "program": ob.program,
@@ -212,6 +223,9 @@ def _stage_report(outcome: Outcome, ob: Obligation, names: dict[str, str]) -> di
                  "realises": ob.realises, "logical": _named(ob.claim.describe(), ob.claim.logical, names),
                  "claim": ob.claim.to_json(),
                  "verdict": verdict.to_json(), "reads": list(map(str, ob.reads))}
+    source = _source_of(outcome, ob)
+    if source:
+        out["source"] = source
     best = replay_stage(outcome.runs, ob)
     if best is not None:
         i, p, logical = best.run, best.physical, best.logical
@@ -250,6 +264,8 @@ def explain(report: dict) -> str:
         realises = f", realises logical op {stage['realises']}" if stage.get("realises") else ""
         lines.append(f"    module {stage['module'] or 'model'} ({PHASES.get(stage['phase'], stage['phase'] or 'step')})"
                      f"{realises}")
+        if stage.get("source"):
+            lines.append(f"    source {stage['source']}")
         lines.append(f"    physical {stage['tensor']} should equal {stage['logical']}")
         if "physical_values" in stage:
             lines.append(f"    replayed (run {stage['run']}): physical {stage['physical_values']}")

@@ -13,7 +13,7 @@ from tv_ray.semantics.interpret import run_graph
 def recorded(step, inputs: dict[str, torch.Tensor], roles: dict[str, str] | None = None):
     """Run `step(**inputs)` under a recorder; its program and torch's outputs (name -> tensor)."""
     known = {id(t): (t, name, (roles or {}).get(name, "data")) for name, t in inputs.items()}
-    recorder = Recorder(known, {})
+    recorder = Recorder(known, lambda group: None)
     with recorder:
         outputs = step(recorder, **inputs)
     program = RankConverter(recorder.recording(list(outputs.items()))).run()

@@ -11,6 +11,7 @@ import pytest
 import tv_ray
 from tv_ray.errors import CaptureError, TraceFailed
 from tv_ray.frontend.traced import trace
+from tv_ray.plan import Fixed
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -49,6 +50,17 @@ def test_megatron_style_tensor_parallelism_is_proved():
     assert result.proved, result.report.get("headline")
 
 
+def test_megatron_core_tensor_parallelism_is_proved():
+    """megatron-core's own ColumnParallelLinear / RowParallelLinear, its own process group (the `megatron` extra)."""
+    pytest.importorskip("megatron.core", reason="the megatron extra: pip install -e '.[test,megatron]'")
+    plan = trace(ROOT / "docs" / "examples" / "megatron_tp.py")
+    lineage = {(entry.tensor, entry.where): entry.slice for entry in plan.lineage}
+    assert lineage["fc1.weight", (("tp", 1),)] == ((0, (Fixed(1, 2),)),)      # partition_dim 0
+    assert lineage["fc2.weight", (("tp", 1),)] == ((1, (Fixed(1, 2),)),)      # partition_dim 1
+    result = verified(plan)
+    assert result.proved, result.report.get("headline")
+
+
 def test_a_missing_backward_all_reduce_is_located():
     result = verified(trace(SCRIPTS / "manual_tp_backward.py"))
     assert result.status == "refuted"
@@ -58,10 +70,14 @@ def test_a_missing_backward_all_reduce_is_located():
     assert "a reduction (all-reduce / reduce-scatter) over tp is missing" in result.report["headline"]
 
 
-def test_an_output_reduced_twice_is_refuted():
+def test_an_output_reduced_twice_is_refuted_at_the_line_that_computes_the_loss():
     result = verified(trace(SCRIPTS / "manual_tp_twice.py"))
     assert result.status == "refuted"
-    assert result.report["stage"]["phase"] == "fwd"
+    stage = result.report["stage"]
+    lines = (SCRIPTS / "manual_tp.py").read_text().splitlines()
+    line = next(i for i, text in enumerate(lines, 1) if ".pow(2).mean()" in text)
+    assert stage["phase"] == "fwd" and stage["source"] == f"{SCRIPTS / 'manual_tp.py'}:{line}"
+    assert "physical = 0.962546 × logical" in result.report["headline"]
 
 
 def test_a_failing_rank_reports_its_traceback(tmp_path):

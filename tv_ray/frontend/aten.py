@@ -60,15 +60,17 @@ class Converter:
         """Add an IR node for the current FX node (shape and dtype from its fake value)."""
         node = self.fx
         val = node.meta["val"] if val is None else val
-        module, phase = self.joint.provenance.get(node.name, ("", "fwd"))
-        if not module:
-            module = self._param_module(node)
         name = node.name + suffix
         self.nodes.append(Node.make(name, op, args, attrs or {}, tuple(int(s) for s in val.shape),
-                                    dtype_name(val.dtype, name), {"module": module, "phase": phase}))
+                                    dtype_name(val.dtype, name), self._meta(node)))
         if not suffix:
             self.names[node.name] = name
         return name
+
+    def _meta(self, node: torch.fx.Node) -> dict:
+        """An IR node's provenance: its module path (or its parameter's module) and phase."""
+        module, phase = self.joint.provenance.get(node.name, ("", "fwd"))
+        return {"module": module or self._param_module(node), "phase": phase}
 
     def alias(self, target: str | tuple[str, ...]) -> None:
         self.names[self.fx.name] = target

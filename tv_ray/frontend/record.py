@@ -28,8 +28,12 @@ capture's converters (`tv_ray.frontend.aten`), the collectives by those here.
 """
 from __future__ import annotations
 
+import functools
 import operator
+import sys
+import sysconfig
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -76,6 +80,7 @@ class Recording:
     outputs: list[tuple[str, str]]                  # (output name, node)
     provenance: dict[str, tuple[str, str]]          # node -> (module path, phase)
     groups: dict[str, tuple[str, ...]] = field(default_factory=dict)    # process group name -> mesh axes
+    sources: dict[str, str] = field(default_factory=dict)     # node -> "file:line" of the user's code that ran it
 
     # `Converter` reads these of a capture's joint graph
     @property
@@ -85,9 +90,10 @@ class Recording:
 
 class Recorder(TorchDispatchMode):
     """The dispatch mode (module docstring). `inputs`: the tensors the step may read without making them, by
-    identity → (name, role); `axes`: each process group name → the mesh axes it spans."""
+    identity → (name, role); `axes`: a process group's name → the mesh axes it spans (None: none)."""
 
-    def __init__(self, inputs: dict[int, tuple[torch.Tensor, str, str]], axes: dict[str, tuple[str, ...]]):
+    def __init__(self, inputs: dict[int, tuple[torch.Tensor, str, str]],
+                 axes: Callable[[str], tuple[str, ...] | None]):
         super().__init__()
         self.graph = torch.fx.Graph()
         self.known = inputs
@@ -102,6 +108,7 @@ class Recorder(TorchDispatchMode):
         self.backward_seen = False
         self.marked: list[tuple[str, torch.fx.Node]] = []
         self.empty: dict[int, str] = {}                  # id(tensor) -> the op that made it uninitialised
+        self.sources: dict[str, str] = {}                # node -> the line of the script's code that ran it
 
     # -- what the step runs -----------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -153,13 +160,17 @@ class Recorder(TorchDispatchMode):
         phase = "bwd" if torch._C._current_graph_task_id() != -1 else "optim" if self.backward_seen else "fwd"
         self.backward_seen |= phase == "bwd"
         self.provenance[node.name] = (self.module[-1] if self.module else "", phase)
+        source = _source()
+        if source:
+            self.sources[node.name] = source
         if node.target is c10d.all_reduce.default or node.target is c10d.all_gather_into_tensor.default or \
                 node.target is c10d.reduce_scatter_tensor.default:
             group = args[-1]
-            if group not in self.axes:
-                raise CaptureError(f"{self._where()}: {func} on process group {group!r}, which is no axis of the "
-                                   f"device mesh ({', '.join(sorted(self.axes)) or 'none'})")
-            self.groups[group] = self.axes[group]
+            axes = self.axes(group)
+            if axes is None:
+                raise CaptureError(f"{self._where()}: {func} on process group {group!r}, whose ranks are no group "
+                                   f"along an axis of the device mesh")
+            self.groups[group] = axes
         return node
 
     def _constant(self, scalar: torch.Tensor) -> torch.fx.Node:
@@ -282,7 +293,8 @@ class Recorder(TorchDispatchMode):
         ends = self.marked + [(name, self._read(tensor, f"output {name}")) for name, tensor in outputs]
         self.graph.output(tuple(node for _, node in ends))
         return Recording(torch.fx.GraphModule(torch.nn.Module(), self.graph), dict(self.placeholders),
-                         [(name, node.name) for name, node in ends], dict(self.provenance), dict(self.groups))
+                         [(name, node.name) for name, node in ends], dict(self.provenance), dict(self.groups),
+                         dict(self.sources))
 
 
 def _all_reduce(cv: Converter, x, reduce_op: str, group: str):
@@ -320,6 +332,10 @@ class RankConverter(Converter):
     def _outputs(self) -> list[tuple[str, str]]:
         return [(name, self.names[node]) for name, node in self.joint.outputs]
 
+    def _meta(self, node: torch.fx.Node) -> dict:
+        source = self.joint.sources.get(node.name)
+        return {**super()._meta(node), **({"source": source} if source else {})}
+
     def _input(self, node: torch.fx.Node) -> TensorSpec:
         name, role = self.joint.inputs[node.name]
         self.names[node.name] = name
@@ -336,6 +352,26 @@ def _reduce_name(op) -> str:
              int(ReduceOp.RedOpType.PRODUCT): "product"}
     code = int(op.op())
     return kinds.get(code, f"reduce op {code}")
+
+
+_LIBRARY = tuple(str(Path(p).resolve()) for p in {sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"],
+                                                   sysconfig.get_paths()["platlib"], Path(__file__).parents[1]})
+
+
+def _source() -> str | None:
+    """"file:line" of the innermost frame of the user's own code (outside the standard library, installed packages and
+    tv_ray) that is running the current op; None inside autograd's engine (a backward not written by the user)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if _users(frame.f_code.co_filename):
+            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _users(path: str) -> bool:
+    return not path.startswith("<") and not str(Path(path).resolve()).startswith(_LIBRARY)
 
 
 def _overload(name: str, overload: str):

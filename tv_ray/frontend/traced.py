@@ -159,8 +159,7 @@ def _record_rank(rank: int, world_size: int, script: ModuleType, port: int) -> d
         params = dict(model.named_parameters())
         known = {id(_local(p)): (_local(p), name, "param") for name, p in params.items()}
         known |= {id(t): (t, name, "data") for name, t in batch.items()}
-        axes = {mesh.get_group(i).group_name: (name,) for i, name in enumerate(names)}
-        recorder = Recorder(known, axes)
+        recorder = Recorder(known, _group_axes(mesh, names))
         grads: dict[str, Any] = {}
 
         def made(param, name: str) -> None:      # a gradient as backward leaves it (clipping changes it after)
@@ -184,6 +183,15 @@ def _record_rank(rank: int, world_size: int, script: ModuleType, port: int) -> d
                 "batch": {name: _found(t, whole[name], name) for name, t in batch.items()}}
     finally:
         dist.destroy_process_group()
+
+
+def _group_axes(mesh, names):
+    """A process group's name → the mesh axis whose group on this rank has the same ranks in the same order (the
+    mesh's own groups, or ones the code made alike: megatron-core's tensor-parallel group); None: no axis."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    by_ranks = {tuple(dist.get_process_group_ranks(mesh.get_group(i))): (name,) for i, name in enumerate(names)}
+    return lambda group: by_ranks.get(tuple(dist.get_process_group_ranks(_resolve_process_group(group))))
 
 
 def _step(script, model, optimizer, batch, clip):
