@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import re
 import sys
 import sysconfig
 from dataclasses import dataclass, field
@@ -360,13 +361,30 @@ _LIBRARY = tuple(str(Path(p).resolve()) for p in {sysconfig.get_paths()["stdlib"
 
 def _source() -> str | None:
     """"file:line" of the innermost frame of the user's own code (outside the standard library, installed packages and
-    tv_ray) that is running the current op; None inside autograd's engine (a backward not written by the user)."""
+    tv_ray) that is running the current op — a custom autograd function's backward included; an op of autograd's own
+    backward takes its forward op's line (`_forward_source`)."""
     frame = sys._getframe(2)
     while frame is not None:
         if _users(frame.f_code.co_filename):
             return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        if frame.f_code.co_name == "_engine_run_backward":
+            return _forward_source()
         frame = frame.f_back
     return None
+
+
+def _forward_source() -> str | None:
+    """The user's line of the forward op whose backward autograd is running (anomaly mode keeps each op's stack)."""
+    node = torch._C._current_autograd_node()
+    stack = node.metadata.get("traceback_") if node is not None else None
+    for entry in reversed(stack or ()):
+        found = _FRAME.match(entry)
+        if found and _users(found.group(1)):
+            return f"{found.group(1)}:{found.group(2)}"
+    return None
+
+
+_FRAME = re.compile(r'\s*File "(.+)", line (\d+)')
 
 
 @functools.lru_cache(maxsize=None)

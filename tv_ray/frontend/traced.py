@@ -168,7 +168,8 @@ def _record_rank(rank: int, world_size: int, script: ModuleType, port: int) -> d
         hooks = [p.register_post_accumulate_grad_hook(lambda p, name=name: made(p, name)) for name, p in params.items()]
         hooks += recorder.watch(model)
         try:
-            with recorder:
+            # anomaly mode keeps each forward op's stack: a backward op's source line is its forward op's
+            with torch.autograd.set_detect_anomaly(True, check_nan=False), recorder:
                 loss = _step(script, model, optimizer, batch, clip)
         finally:
             for hook in hooks:
