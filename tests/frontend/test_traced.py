@@ -67,7 +67,7 @@ def test_a_missing_backward_all_reduce_is_located():
     stage = result.report["stage"]
     lines = (SCRIPTS / "manual_tp.py").read_text().splitlines()
     line = next(i for i, text in enumerate(lines, 1) if "h = self.inp(x)" in text)
-    assert stage["phase"] == "bwd"
+    assert stage["phase"] == "bwd" and stage["module"] == "inp"
     assert stage["source"] == f"{SCRIPTS / 'manual_tp.py'}:{line}"     # autograd's op: the forward op it differentiates
     assert "grad/inp.weight" in result.report["headline"]
     assert "a reduction (all-reduce / reduce-scatter) over tp is missing" in result.report["headline"]

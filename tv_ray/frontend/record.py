@@ -110,6 +110,7 @@ class Recorder(TorchDispatchMode):
         self.marked: list[tuple[str, torch.fx.Node]] = []
         self.empty: dict[int, str] = {}                  # id(tensor) -> the op that made it uninitialised
         self.sources: dict[str, str] = {}                # node -> the line of the script's code that ran it
+        self.module_at: dict[str, str] = {}              # a forward line -> the module its first op ran in
 
     # -- what the step runs -----------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -160,10 +161,14 @@ class Recorder(TorchDispatchMode):
         node.meta["val"] = tree_map(lambda t: Value(t) if isinstance(t, torch.Tensor) else t, out)
         phase = "bwd" if torch._C._current_graph_task_id() != -1 else "optim" if self.backward_seen else "fwd"
         self.backward_seen |= phase == "bwd"
-        self.provenance[node.name] = (self.module[-1] if self.module else "", phase)
-        source = _source()
+        module, source = self.module[-1] if self.module else "", _source()
         if source:
             self.sources[node.name] = source
+            if phase == "fwd" and module:
+                self.module_at.setdefault(source, module)
+            elif phase == "bwd" and not module:      # autograd's op: the module of the forward op it differentiates
+                module = self.module_at.get(source, "")
+        self.provenance[node.name] = (module, phase)
         if node.target is c10d.all_reduce.default or node.target is c10d.all_gather_into_tensor.default or \
                 node.target is c10d.reduce_scatter_tensor.default:
             group = args[-1]
