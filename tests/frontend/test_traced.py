@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import tv_ray
 from tv_ray.errors import CaptureError, TraceFailed
@@ -107,6 +108,19 @@ def test_a_script_without_its_contract_is_refused(tmp_path):
     with pytest.raises(CaptureError) as err:
         trace(DTENSOR_MLP, world_size=4)
     assert str(err.value) == f"{DTENSOR_MLP}: MESH {{'tp': 2}} has 2 ranks, but --world-size is 4"
+
+
+def test_a_batch_chunk_is_found_only_where_it_is_unambiguous():
+    """Input lineage is assumed, so a rank's batch that equals two chunks of the global batch is refused, not guessed."""
+    from tv_ray.frontend.traced import _found
+    whole = torch.tensor([[1, 2], [3, 4], [1, 2], [5, 6]])
+    assert _found(whole[2:], whole, "tokens") == {"dims": [[2, 2, 4], [0, 2, 2]], "partial": []}
+    with pytest.raises(CaptureError) as err:
+        _found(whole[:1], whole, "tokens")
+    assert str(err.value) == ("batch tensor 'tokens' (1, 2) on this rank equals 2 chunks of the global batch's (4, 2) "
+                              "(dim, chunk: [(0, 0), (0, 2)]); make batch() draw distinct rows")
+    with pytest.raises(CaptureError, match="is no chunk of the global batch"):
+        _found(torch.tensor([[9, 9]]), whole, "tokens")
 
 
 def test_tv_ray_trace_writes_a_plan_verify_proves(tmp_path):

@@ -116,6 +116,13 @@ def test_gather_and_scatter_by_an_index_from_data_match_the_concrete_rule(op):
             assert evaluate(got[idx], atoms, {tok: v}) == want[idx], (v, idx)
 
 
+def test_scatter_at_a_fixed_numpy_index_writes_that_position_alone():
+    x = np.asarray([[var("x0"), var("x1"), var("x2")]], dtype=object)
+    node = Node.make("o", "scatter", ["x", "i", "s"], {"dim": 1}, (1, 3))
+    got = eval_symbolic(node, [x, np.asarray([[np.int64(1)]], dtype=object), np.asarray([[var("s")]], dtype=object)], {})
+    assert list(got[0]) == [var("x0"), var("s"), var("x2")]
+
+
 def test_a_choice_inside_a_choice_on_the_same_token_has_no_product_of_its_indicators():
     """select(t, [.., select(t, ..), ..]) takes the inner one where the token is that value (one-hot)."""
     t = choice(Atom("tok", (0,)), 3)

@@ -180,7 +180,7 @@ def _record_rank(rank: int, world_size: int, script: ModuleType, port: int) -> d
         return {"program": program.to_json(), "coords": coords,
                 "boxes": {**{name: _box(t, mesh) for name, t in [*params.items(), ("loss", loss)]},
                           **{f"grad/{n}": _box(g, mesh, params[n]) for n, g in grads.items()},
-                          **{f"new/{n}": _box(p, mesh, p) for n, p in params.items()}},
+                          **{f"new/{n}": _box(p, mesh) for n, p in params.items()}},
                 "batch": {name: _found(t, whole[name], name) for name, t in batch.items()}}
     finally:
         dist.destroy_process_group()
@@ -212,6 +212,8 @@ def _supported(optimizer) -> None:
     if type(optimizer) is not torch.optim.SGD:
         raise CaptureError(f"optimizer {type(optimizer).__name__}: only torch.optim.SGD is recorded (AdamW reads its "
                            f"step count into Python: tv_ray.frontend.traced)")
+    if len({group["lr"] for group in optimizer.param_groups}) > 1:
+        raise CaptureError("optimizer SGD with parameter groups of different learning rates: one lr is recorded")
     for group in optimizer.param_groups:
         extra = {k: group[k] for k in ("momentum", "weight_decay", "dampening") if group.get(k)}
         if extra or group.get("nesterov") or group.get("maximize"):
@@ -250,20 +252,25 @@ def _box(tensor, mesh, like=None) -> dict:
 
 
 def _found(local: torch.Tensor, whole: torch.Tensor, name: str) -> dict:
-    """A batch tensor's box in the global batch, found by value: a contiguous chunk along one dim (or all of it)."""
-    if local.shape == whole.shape:
-        if torch.equal(local, whole):
-            return {"dims": [[0, n, n] for n in whole.shape], "partial": []}
-    else:
-        for d, (n, m) in enumerate(zip(local.shape, whole.shape)):
-            if n != m and m % n == 0 and local.shape[:d] + local.shape[d + 1:] == whole.shape[:d] + whole.shape[d + 1:]:
-                for k in range(m // n):
-                    if torch.equal(whole.narrow(d, k * n, n), local):
-                        box = [[0, s, s] for s in whole.shape]
-                        box[d] = [k * n, n, m]
-                        return {"dims": box, "partial": []}
-    raise CaptureError(f"batch tensor {name!r} {tuple(local.shape)} on this rank is no chunk of the global batch's "
-                       f"{tuple(whole.shape)}: shard() must return slices of batch()'s tensors")
+    """A batch tensor's box in the global batch, found by value: all of it, or the one contiguous chunk along one dim
+    that equals it (two chunks equal to it — repeated rows of token ids — leave which one the rank read unknown:
+    an error, never a guess, since input lineage is assumed)."""
+    if local.shape == whole.shape and torch.equal(local, whole):
+        return {"dims": [[0, n, n] for n in whole.shape], "partial": []}
+    found = []
+    for d, (n, m) in enumerate(zip(local.shape, whole.shape)):
+        if n != m and m % n == 0 and local.shape[:d] + local.shape[d + 1:] == whole.shape[:d] + whole.shape[d + 1:]:
+            found += [(d, k) for k in range(m // n) if torch.equal(whole.narrow(d, k * n, n), local)]
+    if len(found) > 1:
+        raise CaptureError(f"batch tensor {name!r} {tuple(local.shape)} on this rank equals {len(found)} chunks of the "
+                           f"global batch's {tuple(whole.shape)} (dim, chunk: {found}); make batch() draw distinct rows")
+    if not found:
+        raise CaptureError(f"batch tensor {name!r} {tuple(local.shape)} on this rank is no chunk of the global batch's "
+                           f"{tuple(whole.shape)}: shard() must return slices of batch()'s tensors")
+    (d, k), = found
+    box = [[0, s, s] for s in whole.shape]
+    box[d] = [k * local.shape[d], local.shape[d], whole.shape[d]]
+    return {"dims": box, "partial": []}
 
 
 # -- the plan -----------------------------------------------------------------------------------
@@ -281,17 +288,14 @@ def _plan(script: ModuleType, mesh: dict[str, int], ranks: list[dict]) -> Plan:
     lineage = []
     for record in ranks:
         for tensor, box in {**record["boxes"], **record["batch"]}.items():
-            lineage.append(_entry(record["coords"], tensor, _logical_name(tensor), box))
+            lineage.append(_entry(record["coords"], tensor, box))
     return Plan(format=FORMAT, model=Path(script.__file__).stem, dims={}, mesh=tuple(mesh.items()),
                 microbatches=1, schedule="none", logical=_logical(script), programs=programs,
                 ranks=RankMap(chosen[0], overrides), lineage=tuple(dict.fromkeys(lineage)))
 
 
-def _logical_name(tensor: str) -> str:
-    return tensor
-
-
-def _entry(coords: dict[str, int], tensor: str, logical: str, box: dict) -> Lineage:
+def _entry(coords: dict[str, int], tensor: str, box: dict) -> Lineage:
+    """`tensor` on the rank at `coords` is its box of the logical tensor of the same name."""
     cuts = []
     for d, (offset, size, whole) in enumerate(box["dims"]):
         if size != whole:
@@ -300,7 +304,7 @@ def _entry(coords: dict[str, int], tensor: str, logical: str, box: dict) -> Line
                                    f"split (uneven shards are not lineage)")
             cuts.append((d, (Fixed(offset // size, whole // size),)))
     where = tuple((axis, c) for axis, c in coords.items() if axis not in box["partial"])
-    return Lineage(where, tensor, logical, tuple(cuts), tuple(box["partial"]))
+    return Lineage(where, tensor, tensor, tuple(cuts), tuple(box["partial"]))
 
 
 class _Step(torch.nn.Module):

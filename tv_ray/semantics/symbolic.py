@@ -605,7 +605,7 @@ def _scatter(node, xs, attrs, ctx):
     for idx in np.ndindex(index.shape):
         for p in range(x.shape[dim]):
             hit = lift_int(lambda t, p=p: t == p, index[idx])
-            if hit is False:
+            if not isinstance(hit, Choice) and not hit:        # a fixed index elsewhere (a numpy bool too)
                 continue
             at = idx[:dim] + (p,) + idx[dim + 1:]
             old = to_term(out[at])
