@@ -20,6 +20,12 @@ DTENSOR_MLP = ROOT / "docs" / "examples" / "dtensor_mlp.py"
 DTENSOR_LLAMA = ROOT / "docs" / "examples" / "dtensor_llama.py"
 
 
+def manual_tp_line(text: str) -> str:
+    """"file:line" of the first line of manual_tp.py holding `text`."""
+    lines = (SCRIPTS / "manual_tp.py").read_text().splitlines()
+    return f"{SCRIPTS / 'manual_tp.py'}:{next(i for i, line in enumerate(lines, 1) if text in line)}"
+
+
 def verified(plan):
     return tv_ray.verify(plan, engine="local", progress=False)
 
@@ -66,10 +72,8 @@ def test_a_missing_backward_all_reduce_is_located():
     result = verified(trace(SCRIPTS / "manual_tp_backward.py"))
     assert result.status == "refuted"
     stage = result.report["stage"]
-    lines = (SCRIPTS / "manual_tp.py").read_text().splitlines()
-    line = next(i for i, text in enumerate(lines, 1) if "h = self.inp(x)" in text)
     assert stage["phase"] == "bwd" and stage["module"] == "inp"
-    assert stage["source"] == f"{SCRIPTS / 'manual_tp.py'}:{line}"     # autograd's op: the forward op it differentiates
+    assert stage["source"] == manual_tp_line("h = self.inp(x)")     # autograd's op: the forward op it differentiates
     assert "grad/inp.weight" in result.report["headline"]
     assert "a reduction (all-reduce / reduce-scatter) over tp is missing" in result.report["headline"]
 
@@ -78,9 +82,7 @@ def test_an_output_reduced_twice_is_refuted_at_the_line_that_computes_the_loss()
     result = verified(trace(SCRIPTS / "manual_tp_twice.py"))
     assert result.status == "refuted"
     stage = result.report["stage"]
-    lines = (SCRIPTS / "manual_tp.py").read_text().splitlines()
-    line = next(i for i, text in enumerate(lines, 1) if ".pow(2).mean()" in text)
-    assert stage["phase"] == "fwd" and stage["source"] == f"{SCRIPTS / 'manual_tp.py'}:{line}"
+    assert stage["phase"] == "fwd" and stage["source"] == manual_tp_line(".pow(2).mean()")
     assert "physical = 0.962546 × logical" in result.report["headline"]
 
 

@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
@@ -84,7 +86,7 @@ class Recording:
     sources: dict[str, str] = field(default_factory=dict)     # node -> "file:line" of the user's code that ran it
 
     # `Converter` reads these of a capture's joint graph
-    @property
+    @functools.cached_property
     def params(self) -> dict[str, str]:
         return {p: name for p, (name, role) in self.inputs.items() if role == "param"}
 
@@ -101,6 +103,7 @@ class Recorder(TorchDispatchMode):
         self.axes = axes
         self.node: dict[int, torch.fx.Node] = {}        # id(tensor) -> the node holding its current value
         self.alive: list[torch.Tensor] = []             # every tensor seen, held so that no id is reused
+        self.sharing: dict[int, list[torch.Tensor]] = {}  # storage address -> the tensors seen on it (`_changed`)
         self.stale: dict[int, str] = {}                  # id(tensor) -> the in-place op that made it stale
         self.placeholders: dict[str, tuple[str, str]] = {}
         self.provenance: dict[str, tuple[str, str]] = {}
@@ -114,7 +117,6 @@ class Recorder(TorchDispatchMode):
 
     # -- what the step runs -----------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.distributed.tensor import DTensor
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented
         kwargs = kwargs or {}
@@ -132,7 +134,7 @@ class Recorder(TorchDispatchMode):
             self._bind(out, self._read(args[0], func))
             return out
         if func in UNINITIALISED or func in (aten.detach.default, aten.alias.default) and id(args[0]) in self.empty:
-            self.alive.append(out)          # no value until an op writes all of it (`copy_`, a collective's output)
+            self._hold(out)                 # no value until an op writes all of it (`copy_`, a collective's output)
             self.empty[id(out)] = self.empty.get(id(args[0]), str(func)) if args else str(func)
             return out
         if func in LIFTS and id(args[0]) not in self.node and args[0].dim() == 0:
@@ -169,8 +171,7 @@ class Recorder(TorchDispatchMode):
             elif phase == "bwd" and not module:      # autograd's op: the module of the forward op it differentiates
                 module = self.module_at.get(source, "")
         self.provenance[node.name] = (module, phase)
-        if node.target is c10d.all_reduce.default or node.target is c10d.all_gather_into_tensor.default or \
-                node.target is c10d.reduce_scatter_tensor.default:
+        if node.target in COLLECTIVES:          # the functional collectives converted below: their group's axes
             group = args[-1]
             axes = self.axes(group)
             if axes is None:
@@ -259,7 +260,7 @@ class Recorder(TorchDispatchMode):
     def _bind(self, value, node: torch.fx.Node) -> None:
         """The tensor(s) `value` hold `node` (a list or tuple of tensors: one getitem each)."""
         if isinstance(value, torch.Tensor):
-            self.alive.append(value)
+            self._hold(value)
             self.node[id(value)] = node
             self.stale.pop(id(value), None)
         elif isinstance(value, (list, tuple)):
@@ -270,11 +271,16 @@ class Recorder(TorchDispatchMode):
                     self.provenance[part.name] = self.provenance.get(node.name, ("", "fwd"))
                     self._bind(item, part)
 
+    def _hold(self, tensor: torch.Tensor) -> None:
+        self.alive.append(tensor)
+        storage = _storage(tensor)
+        if storage is not None:
+            self.sharing.setdefault(storage, []).append(tensor)
+
     def _changed(self, tensor: torch.Tensor, func) -> None:
         """Every other tensor seen sharing `tensor`'s memory is stale."""
-        storage = _storage(tensor)
-        for other in self.alive:
-            if other is not tensor and _storage(other) == storage:
+        for other in self.sharing.get(_storage(tensor), ()):
+            if other is not tensor:
                 self.stale[id(other)] = str(func)
 
     def _where(self) -> str:
@@ -403,7 +409,6 @@ def _overload(name: str, overload: str):
 
 
 def _fake(args, kwargs, out) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
     return any(isinstance(t, FakeTensor) for t in tree_leaves((args, kwargs, out)))
 
 
