@@ -121,11 +121,13 @@ def _unreduced_input(outcome: Outcome, ob: Obligation) -> dict | None:
             continue
         axes = [a for a in read.claim.partial if a not in ob.claim.partial]
         if axes:
-            what = "×".join(axes)
-            return {"stage": str(src), "tensor": src.tensor, "ranks": list(src.ranks), "axes": axes,
-                    "text": f"it reads {src.tensor} on ranks {', '.join(map(str, src.ranks))}, a partial sum over "
-                            f"{what} never reduced: the all-reduce / reduce-scatter over {what} before "
-                            f"{ob.tensor} is missing"}
+            what, ranks = "×".join(axes), ", ".join(map(str, src.ranks))
+            text = f"it reads {src.tensor} on ranks {ranks}, a partial sum over {what} never reduced: the " \
+                   f"all-reduce / reduce-scatter over {what} before {ob.tensor} is missing"
+            if read.claim.scale != 1:       # a pre-divided gradient's: which of the two is missing is not known
+                text = f"it reads {src.tensor} on ranks {ranks}, {read.claim.describe()}: both the reduction over " \
+                       f"{what} and the division by {read.claim.scale} must come before {ob.tensor}"
+            return {"stage": str(src), "tensor": src.tensor, "ranks": list(src.ranks), "axes": axes, "text": text}
     return None
 
 

@@ -45,6 +45,7 @@ import shutil
 import string
 import zlib
 from dataclasses import dataclass, field, replace
+from fractions import Fraction
 from functools import lru_cache, reduce
 from json.encoder import c_make_encoder, encode_basestring_ascii
 from operator import mul
@@ -85,11 +86,14 @@ Factor = str | Fixed   # a mesh axis name (the rank's coordinate on it) or a fix
 
 @dataclass(frozen=True)
 class Lineage:
-    """One boundary lineage entry: ``logical[slice(rank)] == tensor`` (or the sum over `partial`).
+    """One boundary lineage entry: ``scale · logical[slice(rank)] == tensor`` (or the sum over `partial`).
 
     `where` selects ranks by mesh coordinates (empty = all ranks); `slice` lists
     the split dimensions as (dim, factors outer to inner); `partial` names the
-    mesh axes whose group sums to the slice.
+    mesh axes whose group sums to the slice; `scale` (a positive rational, 1
+    unless given) is the factor the tensor (or its group's sum) carries: a
+    data-parallel rank's mean loss over its own samples is a partial sum over
+    dp of `dp · loss`, its gradients before a pre-divided reduction likewise.
     """
 
     where: tuple[tuple[str, int], ...]
@@ -97,6 +101,7 @@ class Lineage:
     logical: str
     slice: tuple[tuple[int, tuple[Factor, ...]], ...] = ()
     partial: tuple[str, ...] = ()
+    scale: Fraction = Fraction(1)
 
     def to_json(self) -> dict:
         out: dict[str, Any] = {"where": dict(self.where), "tensor": self.tensor, "logical": self.logical}
@@ -105,19 +110,21 @@ class Lineage:
                                                    for f in factors]} for dim, factors in self.slice]
         if self.partial:
             out["partial"] = list(self.partial)
+        if self.scale != 1:
+            out["scale"] = int(self.scale) if self.scale.denominator == 1 else str(self.scale)
         return out
 
     def renamed(self, k: int, microbatches: int) -> "Lineage":
         """This entry of microbatch 0's tensor as microbatch k's (a repeat, `tv_ray.plan_repeats`): its tensor
         renamed, each fixed split factor {index 0, of `microbatches`} at index k."""
         return Lineage(self.where, rename(self.tensor, k), self.logical, _renamed_slice(self.slice, k, microbatches),
-                       self.partial)
+                       self.partial, self.scale)
 
     @staticmethod
     def from_json(obj: Any, path: str) -> "Lineage":
         if not isinstance(obj, dict):
-            raise PlanError(f"{path}: expected an object with where, tensor, logical, slice, partial")
-        _no_unknown(obj, ("where", "tensor", "logical", "slice", "partial"), path)
+            raise PlanError(f"{path}: expected an object with where, tensor, logical, slice, partial, scale")
+        _no_unknown(obj, ("where", "tensor", "logical", "slice", "partial", "scale"), path)
         where = obj.get("where", {})
         if not isinstance(where, dict) or not all(_is_int(v) for v in where.values()):
             raise PlanError(f"{path}.where: expected an object mapping mesh axes to coordinates")
@@ -131,7 +138,21 @@ class Lineage:
         partial = obj.get("partial", [])
         if not isinstance(partial, list) or not all(isinstance(a, str) for a in partial):
             raise PlanError(f"{path}.partial: expected a list of mesh axis names")
-        return Lineage(tuple(where.items()), obj["tensor"], obj["logical"], cuts, tuple(partial))
+        return Lineage(tuple(where.items()), obj["tensor"], obj["logical"], cuts, tuple(partial),
+                       _scale_from_json(obj.get("scale", 1), f"{path}.scale"))
+
+
+def _scale_from_json(raw: Any, path: str) -> Fraction:
+    """A lineage scale: a positive integer or a "p/q" string."""
+    try:
+        if isinstance(raw, bool) or not isinstance(raw, (int, str)):
+            raise ValueError
+        scale = Fraction(raw)
+    except (ValueError, ZeroDivisionError):
+        raise PlanError(f"{path}: expected a positive integer or a fraction \"p/q\", got {raw!r}") from None
+    if scale <= 0:
+        raise PlanError(f"{path}: expected a positive scale, got {raw!r}")
+    return scale
 
 
 @lru_cache(maxsize=1 << 16)     # a frontier plan's half million entries share a few hundred slices

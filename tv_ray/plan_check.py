@@ -282,6 +282,9 @@ class _LineageCheck:
             if entry.partial:
                 raise _error(f"{path}.partial", f"program input {entry.tensor!r} of {name!r} is a whole value, "
                                                 f"not a partial sum")
+            if entry.scale != 1:
+                raise _error(f"{path}.scale", f"program input {entry.tensor!r} of {name!r} is its slice of "
+                                              f"{entry.logical!r} itself, not a multiple of it")
             value = program.value(entry.tensor)
         elif entry.tensor in program.output_map:
             value = program.value(program.output_map[entry.tensor])

@@ -265,7 +265,8 @@ def test_moves_to_is_move_compared_field_by_field(claimed):
     plan, dims, claims = claimed("tp=2,pp=2,mb=4")
     moves = microbatch_moves(plan, dims, None, True)
     blocks = moves.blocks
-    assert [f.name for f in dataclasses.fields(Claim)] == ["logical", "offsets", "shape", "partial", "boundary", "given"]
+    assert [f.name for f in dataclasses.fields(Claim)] == ["logical", "offsets", "shape", "partial", "boundary", "given",
+                                                          "scale"]
     tagged = [c for c in claims.values() if blocks.tags.get(c.logical) is not None and moves.first(c)][:50]
     untagged = [c for c in claims.values() if blocks.tags.get(c.logical) is None][:20]
     assert len(tagged) == 50 and untagged
@@ -279,7 +280,8 @@ def test_moves_to_is_move_compared_field_by_field(claimed):
                       dataclasses.replace(moved, shape=tuple(n + 1 for n in moved.shape)),
                       dataclasses.replace(moved, partial=() if moved.partial else ("tp",)),
                       dataclasses.replace(moved, boundary=not moved.boundary),
-                      dataclasses.replace(moved, given=not moved.given)]
+                      dataclasses.replace(moved, given=not moved.given),
+                      dataclasses.replace(moved, scale=moved.scale * 2)]
             if moved.offsets:
                 others.append(moved.shifted(d, 1))
                 others += [moved.shifted(e, 1) for e in range(len(moved.offsets)) if e != d]

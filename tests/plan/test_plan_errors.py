@@ -48,7 +48,7 @@ def test_unknown_field():
     obj = tp_plan()
     obj["lineage"][0]["replicas"] = 2
     assert refused(obj) == ("lineage[0].replicas: unknown field 'replicas' "
-                            "(known: where, tensor, logical, slice, partial)")
+                            "(known: where, tensor, logical, slice, partial, scale)")
 
 
 def test_unknown_op():
@@ -126,6 +126,18 @@ def test_partial_on_an_input():
     obj = tp_plan()
     obj["lineage"][0]["partial"] = ["tp"]
     assert refused(obj) == "lineage[0].partial: program input 'x' of 'tp' is a whole value, not a partial sum"
+
+
+def test_scale_on_an_input_and_malformed_scales():
+    obj = tp_plan()
+    obj["lineage"][0]["scale"] = 2
+    assert refused(obj) == "lineage[0].scale: program input 'x' of 'tp' is its slice of 'x' itself, not a multiple of it"
+    for bad in (0, -2, "-1/2", 1.5, "two", "1/0", True):
+        obj = tp_plan()
+        obj["lineage"][4]["scale"] = bad
+        expected = f"expected a positive scale, got {bad!r}" if bad in (0, -2, "-1/2") else \
+            f"expected a positive integer or a fraction \"p/q\", got {bad!r}"
+        assert refused(obj) == f"lineage[4].scale: {expected}"
 
 
 def test_lineage_naming_missing_tensors():

@@ -106,14 +106,14 @@ class Replay:
 
 
 def replay_stage(runs: list[ConcreteRun], ob: Obligation) -> Replay | None:
-    """The stage's physical value (summed over its group for a partial claim) against its claim's slice, in the
+    """The stage's physical value (summed over its group for a partial claim) against its claim's value, in the
     concrete run where they differ most; None when no run holds it."""
     best = None
     for i, run in enumerate(runs):
         physical = group_value(run, ob.ranks, ob.tensor)
         if physical is None:
             continue
-        logical = run.logical[ob.claim.logical][ob.claim.slices()]
+        logical = ob.claim.value(run.logical[ob.claim.logical])
         dev = max_abs_deviation(physical, logical)
         if best is None or dev > best.deviation:
             best = Replay(dev, i, physical, logical)

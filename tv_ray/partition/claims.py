@@ -29,12 +29,14 @@ import itertools
 from collections import Counter
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tv_ray.execute import Scheduler
-from tv_ray.ir import Node
+from tv_ray.ir import Node, Op
+from tv_ray.ir.ops import COMMUNICATION, VIEWS
 from tv_ray.partition.microbatches import counterparts
 from tv_ray.plan import Plan
 from tv_ray.semantics import run_graph
@@ -44,13 +46,14 @@ if TYPE_CHECKING:
     from tv_ray.partition.symmetry import Blocks
 
 RTOL = 1e-9
+MOVES = VIEWS | COMMUNICATION | {Op.CLONE, Op.CAT, Op.CAST}     # ops that move values, computing none
 ATOL = 1e-12
 INPUT_SCALE = 0.25
 
 
 @dataclass(frozen=True)
 class Claim:
-    """``tensor == logical[offsets:offsets+shape]`` (summed over the group along `partial` axes)."""
+    """``tensor == scale · logical[offsets:offsets+shape]`` (summed over the group along `partial` axes)."""
 
     logical: str
     offsets: tuple[int, ...]
@@ -58,11 +61,12 @@ class Claim:
     partial: tuple[str, ...] = ()
     boundary: bool = False      # from the plan's lineage (an input: assumed; an output: required)
     given: bool = False         # from the plan's intermediate lineage (required, like an output)
+    scale: Fraction | int = 1   # what the tensor (or its group's sum) carries: a rank's mean loss, dp × its part
 
     @staticmethod
     def of(plan: Plan, entry, rank: int, logical: str, shape: tuple[int, ...], **flags) -> "Claim":
         """The claim a lineage entry makes for `rank` on `logical` (of int `shape`)."""
-        return Claim(logical, *region(plan, entry, rank, shape), **flags)
+        return Claim(logical, *region(plan, entry, rank, shape), scale=entry.scale, **flags)
 
     def shifted(self, dim: int, by: int) -> "Claim":
         """The same claim `by` elements further along `dim` (`dataclasses.replace`, without its cost: a
@@ -90,13 +94,21 @@ class Claim:
             where = self.logical
         else:
             where = f"{self.logical}[{', '.join(f'{o}:{o + n}' for o, n in zip(self.offsets, self.shape))}]"
+        where = where if self.scale == 1 else f"{self.scale} × {where}"
         return f"{where} (sum over {'×'.join(self.partial)})" if self.partial else where
 
     def to_json(self) -> dict:
         out = {"logical": self.logical, "offsets": list(self.offsets), "shape": list(self.shape)}
         if self.partial:
             out["partial"] = list(self.partial)
+        if self.scale != 1:
+            out["scale"] = str(self.scale)
         return out
+
+    def value(self, full: np.ndarray) -> np.ndarray:
+        """The claimed value, given the logical tensor's."""
+        part = full[self.slices()]
+        return part if self.scale == 1 else part * float(self.scale)
 
 
 @dataclass
@@ -195,7 +207,7 @@ class _Stated:
             self._unstated()
 
     def _key(self, entry) -> tuple:
-        return entry.where, id(entry.slice), entry.partial, self.shapes[entry.logical]
+        return entry.where, id(entry.slice), entry.partial, entry.scale, self.shapes[entry.logical]
 
     def _split(self, entry, split: tuple) -> tuple[list[tuple[int, int]], list[Claim]]:
         found = self.regions.get(split)
@@ -204,7 +216,8 @@ class _Stated:
             where = [int(r) for r in np.flatnonzero(_on(plan.selects(entry), self.ranks))]
             places: dict[tuple, int] = {}
             numbers = [places.setdefault(region(plan, entry, rank, shape), len(places)) for rank in where]
-            found = self.regions[split] = list(zip(where, numbers)), [Claim("", *place, given=True) for place in places]
+            found = self.regions[split] = list(zip(where, numbers)), [Claim("", *place, given=True, scale=entry.scale)
+                                                                for place in places]
         return found
 
     def _moves(self, entry, split: tuple, where: list[tuple[int, int]]) -> bool:
@@ -224,7 +237,7 @@ class _Stated:
         base, k = pair
         first = self.entry_of.get(base)
         if first is None or self.count[base] != 1 or first.logical != entry.logical or first.where != entry.where or \
-                first.partial != entry.partial:
+                first.partial != entry.partial or first.scale != entry.scale:
             return False
         tag = self.blocks.tags.get(entry.logical)      # what moving reads of the logical tensor
         before = self._key(first)
@@ -483,12 +496,13 @@ def runs_for(plan: Plan, dims: dict[str, int], seed: int = 0) -> tuple[list[Conc
     return runs, claims
 
 
-def candidates(value: np.ndarray, at: int, index: LogicalIndex, only: str | None = None) -> list[Claim]:
-    """Every slice of a logical tensor (`only` that one) equal to `value` (at this run's point), found by its
-    element `at` (`_anchor`)."""
+def candidates(value: np.ndarray, at: int, index: LogicalIndex, only: str | None = None,
+               scale: Fraction | int = 1) -> list[Claim]:
+    """Every slice of a logical tensor (`only` that one) equal to `value` (at this run's point) — `scale` times it —,
+    found by its element `at` (`_anchor`)."""
     pos = np.unravel_index(at, value.shape)
     found: list[Claim] = []
-    for name, flat in index.near(float(value.reshape(-1)[at])):
+    for name, flat in index.near(float(value.reshape(-1)[at]) / float(scale)):
         if only is not None and name != only:
             continue
         full = index.values[name]
@@ -498,8 +512,8 @@ def candidates(value: np.ndarray, at: int, index: LogicalIndex, only: str | None
         offsets = tuple(int(a - b) for a, b in zip(fpos, pos))
         if any(o < 0 or o + n > m for o, n, m in zip(offsets, value.shape, full.shape)):
             continue
-        claim = Claim(name, offsets, tuple(value.shape))
-        if _equal(full[claim.slices()], value):
+        claim = Claim(name, offsets, tuple(value.shape), scale=scale)
+        if _equal(claim.value(full), value):
             found.append(claim)
     return found
 
@@ -518,32 +532,46 @@ class _Matcher:
     Reduced shapes make coincidences common (with a vocabulary of 2, batch rows
     that start with the same token are equal at position 0); a slice that is
     equal in runs with different data is the real correspondence.
+
+    A value equal to no slice may be a multiple of one, in a plan whose lineage
+    states such multiples (a data-parallel rank's mean loss: `_scales`); the
+    plain claims are looked for first.
     """
 
     def __init__(self, plan: Plan, runs: list[ConcreteRun], eligible: list[str]):
         self.plan, self.runs = plan, runs
+        self.scales = _scales(plan)
         self.index = [LogicalIndex(run.logical, eligible) for run in runs]
         self.order = {name: i for i, name in enumerate([s.name for s in plan.logical.inputs] +
                                                        [n.name for n in plan.logical.nodes])}
+        self.nodes = {n.name: n for n in plan.logical.nodes}
         # (rank, tensor) whose values matched several claims, or in some run had no distinctive element
         self.ambiguous: set[tuple[int, str]] = set()
 
-    def best(self, members: tuple[int, ...], tensor: str, prefer: str | None) -> Claim | None:
+    def best(self, members: tuple[int, ...], tensor: str, prefer: str | None, node: Node | None = None,
+             read: frozenset[str] = frozenset()) -> Claim | None:
         """The claim that holds in every run, proposed by any run (in some runs a value is degenerate: equal
-        tokens make some gradients exactly zero for that data)."""
+        tokens make some gradients exactly zero for that data). Of several, the one on the tensor the op realises
+        (`prefer`), else on a tensor the logical graph makes from more of the tensors the op's arguments are
+        claims on (`read`), by the same op (`node`'s) — a clipped gradient equals the gradient itself wherever the
+        clipping coefficient is 1, in every run for small gradients, but only the clipped one is a product of the
+        gradient and the coefficient —, else the earliest."""
         values = [group_value(run, members, tensor) for run in self.runs]
         if any(v is None for v in values):
             return None
         anchors = [_anchor(v) for v in values]
+        # replicas summed are the group's size times each: a multiple of a slice, but no split of one into parts
+        plain = len(members) > 1 and self._replicas(members, tensor)
         # a claim on the tensor the op realises outranks any other: look there first
-        best = self._found(values, anchors, prefer) if prefer is not None else []
+        best = self._found(values, anchors, prefer, plain) if prefer is not None else []
         if not best:
-            found = self._found(values, anchors)
+            found = self._found(values, anchors, plain=plain)
             if not found:
                 if None in anchors:     # a run with nothing to match by: unsure
                     self.ambiguous.update((m, tensor) for m in members)
                 return None
-            rank = lambda c: (c.logical == prefer, -self.order.get(c.logical, -1))   # noqa: E731
+            rank = lambda c: (c.logical == prefer, *self._alike(c.logical, node, read),   # noqa: E731
+                              -self.order.get(c.logical, -1))
             top = max(rank(c) for c in found)
             best = [c for c in found if rank(c) == top]
         if len(best) == 1:
@@ -551,21 +579,64 @@ class _Matcher:
         self.ambiguous.update((m, tensor) for m in members)   # still ambiguous: leave it interior
         return None
 
+    def _alike(self, logical: str, node: Node | None, read: frozenset[str]) -> tuple[int, bool]:
+        """How like the physical `node` reading claims on `read` the logical tensor is: for an op that moves data
+        (a view, a copy, a collective), whether it is one of those; for any other, how many of those its op reads;
+        then whether it is the same op."""
+        made = self.nodes.get(logical)
+        if node is None:
+            return 0, False
+        if node.op in MOVES:
+            return int(logical in read), made is not None and made.op == node.op
+        if made is None:
+            return 0, False
+        return len(read.intersection(made.args)), made.op == node.op
+
     def holds(self, members: tuple[int, ...], tensor: str, claim: Claim) -> bool:
         """Does `claim` hold in every run?"""
         values = [group_value(run, members, tensor) for run in self.runs]
         return all(v is not None for v in values) and self._holds(values, claim)
 
     def _holds(self, values: list[np.ndarray], claim: Claim) -> bool:
-        return all(_equal(run.logical[claim.logical][claim.slices()], v) for run, v in zip(self.runs, values))
+        return all(_equal(claim.value(run.logical[claim.logical]), v) for run, v in zip(self.runs, values))
 
-    def _found(self, values: list[np.ndarray], anchors: list[int | None], only: str | None = None) -> list[Claim]:
-        """The slices (of logical tensor `only`) some run proposes that hold in every run."""
-        proposed: set[Claim] = set()
-        for index, value, at in zip(self.index, values, anchors):
-            if at is not None:
-                proposed.update(candidates(value, at, index, only))
-        return [c for c in proposed if self._holds(values, c)]
+    def _replicas(self, members: tuple[int, ...], tensor: str) -> bool:
+        """Do the members hold the same value in every run?"""
+        for run in self.runs:
+            first = run.ranks[members[0]].get(tensor)
+            if not all(np.array_equal(run.ranks[m].get(tensor), first) for m in members[1:]):
+                return False
+        return True
+
+    def _found(self, values: list[np.ndarray], anchors: list[int | None], only: str | None = None,
+               plain: bool = False) -> list[Claim]:
+        """The slices (of logical tensor `only`) some run proposes that hold in every run: plain ones, else (unless
+        `plain`) the smallest multiple's."""
+        for scale in (1,) if plain else (1, *self.scales):
+            proposed: set[Claim] = set()
+            for index, value, at in zip(self.index, values, anchors):
+                if at is not None:
+                    proposed.update(candidates(value, at, index, only, scale))
+            found = [c for c in proposed if self._holds(values, c)]
+            if found:
+                return found
+        return []
+
+
+def _scales(plan: Plan) -> list[Fraction]:
+    """The multiples a value may be of a slice: every divisor above 1 of a scale the plan's lineage states (of
+    its numerator; of its denominator, as a reciprocal) — `dp` for a rank's mean loss, the `dp / k` left of a
+    gradient pre-divided by k. None in a plan that states none."""
+    scales: set[Fraction] = set()
+    for entry in (*plan.lineage, *plan.interior):
+        for n, make in ((entry.scale.numerator, Fraction), (entry.scale.denominator, lambda d: Fraction(1, d))):
+            scales.update(make(d) for d in range(2, n + 1) if n % d == 0)
+    return sorted(scales, key=lambda s: (abs(s - 1), s))
+
+
+def _read(claims: dict[tuple[int, str], Claim], rank: int, node: Node) -> frozenset[str]:
+    """The logical tensors an op's arguments on `rank` are claims on (those it has)."""
+    return frozenset(c.logical for a in node.args if (c := claims.get((rank, a))) is not None)
 
 
 def infer_claims(plan: Plan, runs: list[ConcreteRun], fixed: dict[tuple[int, str], Claim],
@@ -602,7 +673,7 @@ def infer_claims(plan: Plan, runs: list[ConcreteRun], fixed: dict[tuple[int, str
                 claims[rank, tensor] = moved
                 continue
         looked.add((rank, tensor))
-        claim = matcher.best((rank,), tensor, node.get_meta("realises"))
+        claim = matcher.best((rank,), tensor, node.get_meta("realises"), node, _read(claims, rank, node))
         if claim is not None:
             claims[rank, tensor] = claim
         else:
@@ -630,10 +701,10 @@ def infer_claims(plan: Plan, runs: list[ConcreteRun], fixed: dict[tuple[int, str
             if (members, tensor) in tried or any((m, tensor) in claims for m in members):
                 continue
             tried.add((members, tensor))
-            claim = matcher.best(members, tensor, node.get_meta("realises"))
+            claim = matcher.best(members, tensor, node.get_meta("realises"), node, _read(claims, rank, node))
             if claim is not None:
                 for m in members:
-                    claims[m, tensor] = Claim(claim.logical, claim.offsets, claim.shape, subset)
+                    claims[m, tensor] = Claim(claim.logical, claim.offsets, claim.shape, subset, scale=claim.scale)
                 break
     return claims
 

@@ -71,7 +71,7 @@ def state_lineage_problems(plan: Plan) -> list[str]:
     """Each updated parameter / optimizer state leaves the step with the lineage it came in with."""
     layouts: dict[str, set] = {}        # logical tensor -> its entries' (where, slice, partial)
     for e in plan.lineage:
-        layouts.setdefault(e.logical, set()).add((e.where, e.slice, e.partial))
+        layouts.setdefault(e.logical, set()).add((e.where, e.slice, e.partial, e.scale))
     out = []
     for name, _ in plan.logical.outputs:
         if name.startswith("new/"):

@@ -149,7 +149,7 @@ def output_deviations(plan: Plan, runs: list[ConcreteRun]) -> list[dict]:
         if (members, tensor) in seen:
             continue
         seen.add((members, tensor))
-        worst = max((max_abs_deviation(p, run.logical[claim.logical][claim.slices()]) for run in runs
+        worst = max((max_abs_deviation(p, claim.value(run.logical[claim.logical])) for run in runs
                      if (p := group_value(run, members, tensor)) is not None), default=0.0)
         if worst > TOL:
             out.append({"stage": str(StageId.group(members, tensor)), "ranks": list(members), "tensor": tensor,

@@ -169,7 +169,7 @@ class LayerShift:
         whose op the graph shows alike with its image's)?"""
         return self.renames.get(first.logical) == other.logical and (not alike or first.logical in self.alike) and \
             other.offsets == first.offsets and other.shape == first.shape and other.partial == first.partial and \
-            other.boundary == first.boundary and other.given == first.given
+            other.boundary == first.boundary and other.given == first.given and other.scale == first.scale
 
     def fixes(self, value) -> bool:
         """Does τ leave the value alone: no atom of a layer's tensor (moved by τ or not: the image of one), no free

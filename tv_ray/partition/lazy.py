@@ -48,7 +48,7 @@ class Continued:
 
     def terms(self) -> np.ndarray:
         if self.real is None:
-            self.real = self.logical.value_at(self.claim.logical, self.claim.slices())
+            self.real = self.logical.claimed(self.claim)
             self.logical = None
         return self.real
 

@@ -37,7 +37,7 @@ from tv_ray.ir.ops import VIEWS
 from tv_ray.partition.symmetry import Blocks
 from tv_ray.semantics.symbolic import INF, NEG_INF, STRUCTURAL, choice, eval_symbolic
 from tv_ray.semantics.table import instantiate_shape
-from tv_ray.terms import Kind, Term, sum_
+from tv_ray.terms import Kind, Term, const, mul, sum_
 from tv_ray.terms.term import grid_vars
 from tv_ray.terms.atom import Atom
 
@@ -207,6 +207,10 @@ class LogicalTerms:
 
     def value_at(self, name: str, slices: tuple) -> np.ndarray:
         return self._at(name, "value", slices)
+
+    def claimed(self, claim) -> np.ndarray:
+        """What a (whole, sliced or summed) claim says its tensor is: its slice's atoms, times its scale."""
+        return scaled(self.value_at(claim.logical, claim.slices()), claim.scale)
 
     def definition_at(self, name: str, slices: tuple) -> np.ndarray:
         return self._at(name, "definition", slices)
@@ -389,4 +393,15 @@ def _summed_shape(shape: tuple[int, ...], attr: dict) -> tuple[int, ...] | None:
     return tuple(1 if d in summed else n for d, n in enumerate(shape) if keep or d not in summed)
 
 
-__all__ = ["LogicalTerms", "atoms"]
+def scaled(values: np.ndarray, scale) -> np.ndarray:
+    """`scale` times each term (the values themselves for 1)."""
+    if scale == 1:
+        return values
+    factor = const(scale)
+    out = np.empty(values.shape, dtype=object)
+    for idx in np.ndindex(values.shape):
+        out[idx] = mul(factor, values[idx])
+    return out
+
+
+__all__ = ["LogicalTerms", "atoms", "scaled"]

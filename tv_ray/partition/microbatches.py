@@ -677,8 +677,8 @@ class Renamed:
 
 
 def place(claim) -> tuple:
-    """Where a claim lies (its tensor, slice and partial axes): what microbatch 0's values are kept by."""
-    return claim.logical, claim.offsets, claim.shape, claim.partial
+    """Where a claim lies (its tensor, slice, partial axes and scale): what microbatch 0's values are kept by."""
+    return claim.logical, claim.offsets, claim.shape, claim.partial, claim.scale
 
 
 __all__ = ["counterparts", "runs", "place", "Renamed", "Run", "GroupCut", "Shifts", "CopyIndex", "Moved", "Accumulated",

@@ -51,7 +51,7 @@ from tv_ray.partition.claims import Claim
 from tv_ray.partition.keys import content_digests, formula_key
 from tv_ray.partition.layers import LayerRenamed
 from tv_ray.partition.lazy import COMPUTED, Continued, Contribution, Deferred, Free, terms_of
-from tv_ray.partition.logical import LogicalTerms, atoms
+from tv_ray.partition.logical import LogicalTerms, atoms, scaled
 from tv_ray.partition.ids import NOTHING, Part, StageId
 from tv_ray.partition.microbatches import LAZY, Accumulated, CopyIndex, Moved, Renamed, Shifts, place
 from tv_ray.partition.standins import Mirrored, StandIns, constant
@@ -528,8 +528,8 @@ class SymbolicRun(StandIns, Renamed, LayerRenamed, Scheduler):
         summed = whole.claim if whole is not None else self._summed_parts(node, members, values)
         at = _positions(members)
         if summed is not None:          # the slice's atoms: a whole claim's continuation
-            summed = Claim(summed.logical, summed.offsets, summed.shape)
-            results = [self.logical.value_at(summed.logical, summed.slices()) for _ in members]
+            summed = Claim(summed.logical, summed.offsets, summed.shape, scale=summed.scale)
+            results = [self.logical.claimed(summed) for _ in members]
             self._group_made = {m: leaf(summed) for m in members} if self.templates is not None else {}
         else:
             values = [terms_of(v) for v in values]
@@ -561,7 +561,7 @@ class SymbolicRun(StandIns, Renamed, LayerRenamed, Scheduler):
     def _contributes(self, members, claim: Claim) -> bool:
         """Is the claim a contribution sum over a group spanning the dp blocks? Then each member's part is its
         block's contribution: block 0's stage proves it, renaming gives the others'."""
-        return claim.logical in self.logical.contributions and self._spans_blocks(members)
+        return claim.scale == 1 and claim.logical in self.logical.contributions and self._spans_blocks(members)
 
     def _spans_blocks(self, members) -> bool:
         """Does the group hold one rank of each dp block: block 0's, run in full, and its mirrors?"""
@@ -647,7 +647,7 @@ class SymbolicRun(StandIns, Renamed, LayerRenamed, Scheduler):
         Sound by renaming: each value is Σₖ σₖ(part) (σₖ the microbatch renaming, a bijection on variables);
         part ≡ c₀ (block 0's contribution, this stage's obligation) gives σₖ(part) ≡ σₖ(c₀) = cₖ, and Σₖ cₖ
         over [0, width) is the claim's value (`LogicalTerms.contribution_of`). One σₖ serves every member."""
-        if self.moves is None or claim.logical not in self.logical.contributions or not values or \
+        if self.moves is None or claim.scale != 1 or claim.logical not in self.logical.contributions or not values or \
                 not all(isinstance(v, Accumulated) and v.ks == _blocks_below(width) for v in values):
             return None
         self.accumulated += 1
@@ -1045,7 +1045,7 @@ class SymbolicRun(StandIns, Renamed, LayerRenamed, Scheduler):
         if position < size - 1:
             return self._free_part(cid, position, claim.shape)
         free = [self._free_part(cid, p, claim.shape) for p in range(size - 1)]
-        target = self.logical.value_at(claim.logical, claim.slices())
+        target = self.logical.claimed(claim)
         out = np.empty(claim.shape, dtype=object)
         for idx in np.ndindex(claim.shape):
             out[idx] = target[idx] - sum_([f[idx] for f in free])
@@ -1095,7 +1095,7 @@ class SymbolicRun(StandIns, Renamed, LayerRenamed, Scheduler):
                                                         for _ in first)
         renamed = all(not v.same for v in values if isinstance(v, Mirrored)) and \
             all(isinstance(v, Mirrored) for m, v in zip(members, values) if block[m] != 0)
-        if claim.logical in self.logical.contributions and even and renamed:
+        if claim.scale == 1 and claim.logical in self.logical.contributions and even and renamed:
             part = [v for m, v in zip(members, values) if block[m] == 0]
             reads = frozenset().union(*(r for m, r in zip(members, each) if block[m] == 0))
             accumulated = self._accumulated(claim, part, mirrors.width)
@@ -1155,9 +1155,9 @@ class SymbolicRun(StandIns, Renamed, LayerRenamed, Scheduler):
             # computed from the claimed tensor's own atoms (a copy, a received slice, a group's parts summed):
             # the claim is that they equal those atoms — no need to unfold its definition (for a weight
             # gradient that is a sum over every sample of the batch)
-            rhs = self.logical.value_at(claim.logical, claim.slices())
+            rhs = self.logical.claimed(claim)
         if rhs is None:
-            defined = self.logical.definition_at(claim.logical, claim.slices())
+            defined = scaled(self.logical.definition_at(claim.logical, claim.slices()), claim.scale)
             rhs = [defined[idx] for idx in np.ndindex(claim.shape)]
         else:
             rhs = [rhs[idx] for idx in np.ndindex(claim.shape)]

@@ -276,7 +276,7 @@ class Blocks:
         d, (o, o0) = tag.dim, (other.offsets, claim.offsets)
         return o[d] == o0[d] + k * self.size * tag.q and o[:d] == o0[:d] and o[d + 1:] == o0[d + 1:] and \
             other.logical == claim.logical and other.shape == claim.shape and other.partial == claim.partial and \
-            other.boundary == claim.boundary and other.given == claim.given
+            other.boundary == claim.boundary and other.given == claim.given and other.scale == claim.scale
 
     def spanned(self, claim) -> frozenset[int]:
         """The blocks (of one microbatch) whose samples a claim's slice holds: none for a tensor without samples."""

@@ -218,7 +218,8 @@ class Templates:
 
         def claim_row(c: Claim) -> tuple:
             offsets = "=" if (c.offsets, c.shape) == region else c.offsets
-            return (number(c.logical), self.klass(c.logical), offsets, c.shape, c.partial)
+            row = (number(c.logical), self.klass(c.logical), offsets, c.shape, c.partial)
+            return row if c.scale == 1 else row + (str(c.scale),)
 
         def contribution_rows(tensor: str) -> tuple:      # what a contribution to `tensor` is built from
             tags = self.logical.blocks.tags
