@@ -146,3 +146,19 @@ def test_an_op_without_a_symbolic_rule_is_named():
     node = Node.make("k", "topk_values", ["x"], {"k": 1, "dim": 0}, [1], "float")
     with pytest.raises(UnknownOpError, match="no symbolic rule for op topk_values"):
         eval_symbolic(node, [np.asarray([var("x0"), var("x1")], dtype=object)], {})
+
+
+def test_a_double_nearest_a_root_of_a_small_rational_is_that_root():
+    """fl(√2) (DTensor divides a replicated tensor's norm by it on a mesh axis of 2) stands for √2 — so n such norms
+    squared and summed are the norm squared; other doubles are their exact binary values."""
+    from fractions import Fraction
+    from tv_ray.semantics.symbolic import to_term
+    from tv_ray.terms import app, const, var
+    from tv_ray.terms.normal import prove_equal
+    assert to_term(math.sqrt(2)) is app("sqrt", const(2)) and to_term(-math.sqrt(3)) is -app("sqrt", const(3))
+    assert to_term(1 / math.sqrt(2)) is to_term(math.sqrt(0.5)) is app("sqrt", const(Fraction(1, 2)))
+    assert to_term(0.1) is const(Fraction(0.1)) and to_term(0.5) is const(Fraction(1, 2))
+    assert to_term(1 / math.sqrt(128)) is const(Fraction(1 / math.sqrt(128)))      # beyond ROOT_LIMIT
+    x = var("x")
+    share = x / to_term(math.sqrt(2))
+    assert prove_equal(share * share + share * share, x * x).__class__.__name__ == "Proved"

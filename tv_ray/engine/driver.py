@@ -71,13 +71,14 @@ def verify_plan(plan: Plan, *, budget: Budget = Budget(), executor: Executor | N
                 checkpoint: Checkpoint | None = None, shards: bool | None = None) -> Outcome:
     """Run the whole verification of `plan`; never raises on a failed proof (see `Outcome.status`).
 
-    When some program output is wrong in the concrete runs, the plan has a
-    bug and the first refuted stage is where it shows: nothing is re-cut.
-    Otherwise a refuted claim (inferred by value, or stated by the plan's
-    intermediate lineage) was a wrong guess — values can agree at every
-    sampled point by structure, like a max that always picks the same column
-    — so it is dropped and the stages around it are cut again, up to
-    `REFINE_ROUNDS` times. Boundary claims are never dropped.
+    A refuted claim inferred by value held in every concrete run, so it was
+    a wrong guess — values can agree at every sampled point by structure,
+    like a max that always picks the same column, or a clipping coefficient
+    that is 1 in every run — so it is dropped and the stages around it are
+    cut again, up to `REFINE_ROUNDS` times. A refuted claim stated by the
+    plan's intermediate lineage is dropped too, unless some program output is
+    wrong in the concrete runs: then the plan has a bug, and the first stated
+    claim refuted is where it shows. Boundary claims are never dropped.
 
     With a `checkpoint`, keys it holds verdicts for are not solved again and every new verdict is streamed
     to it (flushed on the way out, whatever ends the run). `shards`: generate the stages one pipeline stage
@@ -118,7 +119,9 @@ def verify_plan(plan: Plan, *, budget: Budget = Budget(), executor: Executor | N
         # a microbatch copy's claim is its own rank's (a mirrored rank's claims are its representative's)
         if refuted:         # (expanding the copies costs a pass over them: only when something is wrong)
             wrong += [o for _, o in part.microbatch_copies() if o.key in refuted and not o.claim.boundary]
-        if not wrong or derivation.deviations:
+        if derivation.deviations:       # a bug: what the lineage states stays, to show where it enters
+            wrong = [o for o in wrong if not o.claim.given]
+        if not wrong:
             break
         derivation.drop((rank, ob.tensor) for ob in wrong for rank in ob.ranks)
     proved = {o.id for o in part.obligations if verdicts[o.key].proved}

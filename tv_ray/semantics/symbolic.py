@@ -23,6 +23,8 @@ raises `UnknownOpError` naming it; the obligation that needs it stays unknown.
 """
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Callable, Sequence
@@ -82,10 +84,34 @@ def to_term(x) -> Term:
             return INF if x > 0 else -INF
         if np.isnan(x):
             raise SymbolicError("the constant nan is not a real number")
-        return const(float(x))
+        return _float_constant(float(x))
     if isinstance(x, Fraction):
         return const(x)
     raise SymbolicError(f"{x!r} is not a scalar")
+
+
+ROOT_LIMIT = 16      # √(p/q) with p, q up to this is read off the double nearest it
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _float_constant(x: float) -> Term:
+    """A float as a real: its exact binary value — or √(p/q) where it is the double nearest √(p/q) (within two
+    units in the last place; p, q ≤ `ROOT_LIMIT`, p/q no square of a rational), which is what it was written as:
+    DTensor divides a replicated tensor's norm by fl(√n) for a mesh axis of n ranks, and the squares of n such
+    norms must sum to the norm's square."""
+    value = Fraction(x)
+    if value != 0:
+        square = value * value
+        near = square.limit_denominator(ROOT_LIMIT)
+        if near.numerator <= ROOT_LIMIT and abs(square - near) <= near / 2 ** 50 and \
+                not (_is_square(near.numerator) and _is_square(near.denominator)):
+            root = app("sqrt", const(near))
+            return root if x > 0 else -root
+    return const(value)
+
+
+def _is_square(n: int) -> bool:
+    return math.isqrt(n) ** 2 == n
 
 
 def select(c: Choice, values: Sequence[Term]) -> Term:

@@ -44,7 +44,7 @@ from tv_ray.smt.encode import INTERPRETED, EncodeError, Encoding, encode, encode
 from tv_ray.smt.solvers import (GRACE_S, LOSER_WAIT_S, PYSMT_VERSION, RECYCLE_AFTER, STATUSES, Backend, get_solver,
                                 recycle)
 from tv_ray.terms.result import Proved, Refuted, Unknown
-from tv_ray.terms.term import Kind, Term, postorder
+from tv_ray.terms.term import Kind, Term, app, fold, mul, postorder, pow_, rebuild
 
 _PROVE_LOCK = threading.Lock()
 _queries = 0                  # proofs since the pysmt environment was last recycled
@@ -219,7 +219,7 @@ def prove_with_record(lhs: Term, rhs: Term, lemmas: Iterable[tuple[Term, Term]] 
                       timeout_s: float = 10) -> tuple[Proved | Refuted | Unknown, SolveRecord]:
     """`prove`, plus what every solver answered (versions, timings, reasons) and the pysmt version."""
     lemmas = tuple(lemmas)
-    return _proof(lambda: encode(lhs, rhs, lemmas), lemmas, solvers, timeout_s,
+    return _proof(lambda: encode(*roots_squared(lhs, rhs), lemmas), lemmas, solvers, timeout_s,
                   lambda enc, winner: replay(enc, lhs, rhs, lemmas, winner))
 
 
@@ -229,8 +229,49 @@ def prove_all(equations: Iterable[tuple[Term, Term]], lemmas: Iterable[tuple[Ter
     proves one (the assumptions shown consistent — every equation's guards at once). A point where one differs is
     not replayed: Unknown, and `prove` on each names the equation and replays it. One solver call for a stage key's
     equations instead of one each: a key of 512 took 1.1 s so, 11.8 s one by one (llama3-405b, 16 layers)."""
-    equations, lemmas = tuple(equations), tuple(lemmas)
+    equations, lemmas = tuple(roots_squared(*pair) for pair in equations), tuple(lemmas)
     return _proof(lambda: encode_all(equations, lemmas), lemmas, solvers, timeout_s, None)[0]
+
+
+def roots_squared(*roots: Term) -> tuple[Term, ...]:
+    """The terms with each product of square roots of one argument taken out — sqrt(a)ⁿ as a^⌊n/2⌋ (times sqrt(a)
+    for odd n, n of either sign; a power of a product as the product of powers), ``pow[0.5]`` as ``sqrt`` —: the
+    ground lemmas `ground_lemmas` gives the solvers
+    (sqrt(a)·sqrt(a) = a, pow[0.5](a) = sqrt(a)), applied before they run; they hold wherever both sides are
+    defined, as every equation here does. Left to the solvers, products of roots are non-linear arithmetic they
+    time out on: a clipped gradient's global norm on an FSDP × TP mesh sums 84 squares of roots of parts."""
+    memo: dict[Term, Term] = {}
+
+    def visit(node: Term, args: list[Term]) -> Term:
+        if node.kind is Kind.APP and node.payload == "pow[0.5]":
+            return app("sqrt", *args)
+        if node.kind is Kind.MUL or node.kind is Kind.POW:
+            if node.kind is Kind.MUL:
+                factors = [(a, 1) for a in args]
+            elif args[0].kind is Kind.MUL:
+                factors = [(a, node.payload) for a in args[0].args]
+            else:
+                factors = [(args[0], node.payload)]
+            powers: dict[Term, int] = {}
+            rest = []
+            for base, n in factors:
+                if base.kind is Kind.POW and _root(base.args[0]):
+                    base, n = base.args[0], base.payload * n
+                if _root(base):
+                    powers[base] = powers.get(base, 0) + n
+                else:
+                    rest.append(pow_(base, n))
+            if any(abs(n) >= 2 for n in powers.values()):
+                for root, n in powers.items():
+                    half, odd = divmod(n, 2)
+                    rest += [pow_(root.args[0], half), pow_(root, odd)]
+                return mul(*rest)
+        return rebuild(node, args)
+    return tuple(fold(root, visit, memo) for root in roots)
+
+
+def _root(term: Term) -> bool:
+    return term.kind is Kind.APP and term.payload == "sqrt"
 
 
 def _proof(make: Callable[[], Encoding], lemmas: tuple, solvers: Sequence[str | Backend], timeout_s: float,
