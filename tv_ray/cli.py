@@ -107,8 +107,10 @@ def cmd_trace(args: argparse.Namespace) -> int:
     plan = _written("trace", output, lambda: trace(args.script, args.world_size), one_line=False)   # a traceback
     if plan is None:
         return 2
+    loss = next(e for e in plan.lineage if e.tensor == "loss")     # as found by value: each rank's mean, summed
     print(json.dumps({"plan": args.output, "script": args.script, "mesh": dict(plan.mesh), "ranks": plan.num_ranks,
                       "programs": {name: len(p.nodes) for name, p in plan.programs.items()},
+                      "loss": {"partial": list(loss.partial), "scale": str(loss.scale)},
                       "logical_ops": len(plan.logical.nodes), "seconds": round(time.perf_counter() - start, 2)}))
     return 0
 

@@ -1,19 +1,22 @@
-"""A tiny Llama parallelised as torchtitan parallelises it — DTensor tensor parallelism with sequence parallel
-norms, a vocabulary-parallel embedding and output, and loss_parallel's cross-entropy — traced and verified:
+"""A tiny Llama parallelised as torchtitan parallelises it on a dp × tp mesh — DTensor tensor parallelism with
+sequence parallel norms, a vocabulary-parallel embedding and output and loss_parallel's cross-entropy, FSDP2
+(`fully_shard`) over dp, AdamW and gradient clipping — traced and verified:
 
-    tv-ray trace docs/examples/dtensor_llama.py --world-size 2 -o plan.json && tv-ray verify plan.json -o out
+    tv-ray trace docs/examples/dtensor_llama.py --world-size 4 -o plan.json && tv-ray verify plan.json -o out
 """
 import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, loss_parallel, parallelize_module)
 
-MESH = {"tp": 2}
+MESH = {"dp": 2, "tp": 2}
 DIM, HEADS, LAYERS, VOCAB, HIDDEN = 8, 4, 2, 16, 16
-BATCH, SEQ = 2, 4
+BATCH, SEQ = 4, 4
+CLIP = 1.0
 HIGHS = {"tokens": VOCAB, "targets": VOCAB}
 
 
@@ -113,15 +116,27 @@ def parallelize(model, mesh):
             "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
             "feed_forward.w3": ColwiseParallel()})
+    if "dp" in mesh.mesh_dim_names:         # a mesh without dp (MESH = {"tp": 2}): tensor parallelism alone
+        for block in model.layers:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
     return model
 
 
 def optimizer(params):
-    return torch.optim.SGD(params, lr=0.1)
+    return torch.optim.AdamW(params, lr=0.1)
 
 
 def batch():
     return {"tokens": torch.randint(0, VOCAB, (BATCH, SEQ)), "targets": torch.randint(0, VOCAB, (BATCH, SEQ))}
+
+
+def shard(batch, mesh):
+    """This rank's rows of the batch: its data-parallel rank's share (every tensor-parallel rank reads them)."""
+    if "dp" not in mesh.mesh_dim_names:
+        return batch
+    rank, size = mesh["dp"].get_local_rank(), mesh["dp"].size()
+    return {name: tensor.chunk(size)[rank] for name, tensor in batch.items()}
 
 
 def loss(model, batch):
@@ -130,10 +145,11 @@ def loss(model, batch):
 
 
 def step(model, optimizer, batch):
-    """The training step as torchtitan runs it: the loss and its backward under loss_parallel."""
+    """The training step as torchtitan runs it: the loss and its backward under loss_parallel, clipping, AdamW."""
     with loss_parallel():
         value = loss(model, batch)
         value.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
     optimizer.step()
     optimizer.zero_grad()
     return value

@@ -65,3 +65,21 @@ def test_unknown_optimizer_is_refused():
     import tv_ray.models as models
     with pytest.raises(CaptureError, match=r"^unknown optimizer 'lamb'; one of sgd, adamw$"):
         capture_step(models.get("llama3-tiny"), optim="lamb")
+
+
+def test_adamw_counting_the_steps_before_this_one_adds_it():
+    """``step_before``: the step input is torch's state["step"] before its increment (what a recorded program
+    reads), so it is no longer known positive, and the step at t equals the default graph's at t + 1."""
+    spec, logical = symbolic("llama3-tiny", False)
+    after = append_optimizer(logical, AdamW(), clip=1.0)
+    before = append_optimizer(logical, AdamW(), clip=1.0, step_before=True)
+    assert not {s.name: s for s in before.inputs}["step"].positive
+    _, _, _, inputs, gen = real_module(spec)
+    for s in after.inputs:
+        if s.role == "state":
+            shape = tuple(int(d.eval(spec.dims)) for d in s.shape)
+            inputs[s.name] = torch.rand(shape, generator=gen, dtype=torch.float64).numpy()
+    ran_after = run_graph(after, spec.dims, {**inputs, "step": np.array(3.0)})
+    ran_before = run_graph(before, spec.dims, {**inputs, "step": np.array(2.0)})
+    for name, _ in after.outputs:
+        np.testing.assert_allclose(ran_before[name], ran_after[name], rtol=0, atol=1e-12, err_msg=name)

@@ -87,3 +87,36 @@ def test_an_uninitialised_tensor_read_is_refused():
         recorded(lambda recorder, x: {"y": torch.empty(2) + x}, {"x": torch.ones(2)})
     assert str(err.value) == ("the step: aten.add.Tensor reads a tensor of shape (2,) and dtype torch.float32 made by "
                               "aten.empty.memory_format that no op wrote whole")
+
+
+def test_memory_written_through_views_reads_back():
+    """FSDP2's patterns: a buffer written whole through a view of it reads as that view's value; windows of one buffer
+    (`as_strided`) changed one by one leave the others readable; the buffer itself goes stale."""
+    x = torch.randn(2, 4, dtype=torch.float64)
+
+    def step(recorder, x):
+        buffer = torch.empty(8, dtype=x.dtype)
+        buffer.view(2, 4).copy_(x)                 # written whole through a view
+        flat = buffer * 1.0                        # reads as x, flattened
+        first, second = torch.as_strided(buffer, (4,), (1,), 0), torch.as_strided(buffer, (4,), (1,), 4)
+        first.mul_(2.0)                            # the second window is another part of the buffer
+        return {"flat": flat, "first": first, "second": second + 0.0}
+    program, outputs = recorded(step, {"x": x.clone()})
+    got = run(program, {"x": x})
+    assert np.allclose(got["flat"], x.reshape(-1).numpy(), rtol=0, atol=0)
+    assert np.allclose(got["first"], 2 * x[0].numpy(), rtol=0, atol=0)
+    assert np.allclose(got["second"], x[1].numpy(), rtol=0, atol=0)
+
+    def stale(recorder, x):
+        buffer = torch.empty(8, dtype=x.dtype)
+        buffer.view(2, 4).copy_(x)
+        torch.as_strided(buffer, (4,), (1,), 0).mul_(2.0)
+        return {"flat": buffer * 1.0}
+    with pytest.raises(CaptureError) as err:
+        recorded(stale, {"x": x.clone()})
+    assert str(err.value) == ("the step: aten.mul.Tensor reads a tensor (8,) after aten.mul_.Tensor changed memory it "
+                              "shares; a program cannot hold that aliasing")
+    with pytest.raises(CaptureError) as err:
+        recorded(lambda recorder, x: {"y": torch.as_strided(x, (2, 2), (1, 2)) * 1.0}, {"x": x.clone()})
+    assert str(err.value) == ("the step: aten.as_strided.default with strides (1, 2) (only a contiguous window of a "
+                              "contiguous tensor is recorded)")

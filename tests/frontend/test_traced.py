@@ -40,16 +40,61 @@ def test_dtensor_tensor_parallel_mlp_is_proved():
 
 
 def test_torchtitan_style_llama_is_proved_and_checked(tmp_path):
-    """Sequence parallel norms, a vocabulary-parallel embedding, output and loss (loss_parallel), two layers."""
+    """Issue (a): sequence parallel norms, a vocabulary-parallel embedding, output and loss (loss_parallel), FSDP2
+    over dp, AdamW and clip_grad_norm_, two layers, on a 2 × 2 mesh."""
     from tv_ray.certificate import check_certificate
     plan = trace(DTENSOR_LLAMA)
-    ops = {node.op.value for program in plan.programs.values() for node in program.nodes}
-    assert {"all_gather", "reduce_scatter", "all_reduce", "scatter", "gather"} <= ops
+    assert dict(plan.mesh) == {"dp": 2, "tp": 2}
+    collectives = {(node.op.value, tuple(node.attr.get("axes", ()))) for program in plan.programs.values()
+                   for node in program.nodes}
+    assert {("all_gather", ("dp",)), ("reduce_scatter", ("dp",)), ("all_gather", ("tp",)),
+            ("reduce_scatter", ("tp",)), ("all_reduce", ("tp",))} <= collectives
+    assert {s.name.split("/")[0] for s in plan.logical.inputs} >= {"step", "exp_avg", "exp_avg_sq"}
+    loss = next(e for e in plan.lineage if e.tensor == "loss")
+    assert (loss.partial, loss.scale) == (("dp",), 2)      # each dp rank's mean over its own rows
     result = verified(plan)
     assert result.proved, result.report.get("headline")
     result.save(tmp_path / "out")
     report = check_certificate(tmp_path / "out")          # raises if anything fails
     assert report.different_method == report.unique == result.outcome.counts()["unique"]
+
+
+def test_fsdp2_data_parallel_mlp_with_adamw_is_proved():
+    """FSDP2 divides each gradient by dp before its reduce-scatter: until then every backward value is dp times a
+    slice of the logical one (a scaled claim), each weight gradient a partial sum of dp times the logical one."""
+    plan = trace(SCRIPTS / "fsdp_mlp.py")
+    ops = [node.op.value for node in plan.programs["rank0"].nodes]
+    assert ops.count("all_gather") == 3 and ops.count("reduce_scatter") == 2     # up's gathered again for backward
+    result = verified(plan)
+    assert result.proved, result.report.get("headline")
+    scaled = {(c.scale, c.partial) for c in result.outcome.claims.values() if c.scale != 1}
+    assert scaled == {(2, ()), (2, ("dp",))}
+
+
+def test_fsdp2_without_its_gradient_divide_is_refuted_with_the_factor():
+    result = verified(trace(SCRIPTS / "fsdp_mlp_no_divide.py"))
+    assert result.status == "refuted"
+    assert result.report["stage"]["phase"] == "bwd"
+    assert "physical = 2 × logical: a sum where a mean was meant" in result.report["headline"]
+    assert "grad/" in result.report["headline"]
+
+
+def test_optimizers_torch_cannot_be_recorded_as_are_refused():
+    from tv_ray.frontend.traced import _optimizer
+    params = [torch.nn.Parameter(torch.ones(2))]
+    assert _optimizer(torch.optim.AdamW(params, lr=0.1, weight_decay=0.5)).weight_decay == 0.5
+    refused = {torch.optim.AdamW(params, amsgrad=True): "optimizer AdamW with amsgrad: not recorded",
+               torch.optim.Adam(params, weight_decay=0.1): "optimizer Adam with (L2) weight_decay: only decoupled "
+                                                            "weight decay (AdamW) is recorded",
+               torch.optim.SGD(params, lr=0.1, momentum=0.9): "optimizer SGD with {'momentum': 0.9}: only plain SGD "
+                                                               "(lr) is recorded",
+               torch.optim.Adagrad(params): "optimizer Adagrad: torch.optim.SGD and AdamW are recorded",
+               torch.optim.AdamW([{"params": params}, {"params": [torch.nn.Parameter(torch.ones(1))], "lr": 1.0}]):
+                   "optimizer AdamW with parameter groups of different lr: one of each is recorded"}
+    for optimizer, message in refused.items():
+        with pytest.raises(CaptureError) as err:
+            _optimizer(optimizer)
+        assert str(err.value) == message
 
 
 def test_megatron_style_tensor_parallelism_is_proved():

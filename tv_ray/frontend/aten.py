@@ -279,13 +279,18 @@ def _slice_backward(cv: Converter, grad, input_sizes, dim, start, end, step):
 
 def _split(cv: Converter, x, split_size, dim=0):
     """split -> one slice per chunk (the getitems then pick them)."""
+    size = int(x.meta["val"].shape[_dim(cv, x, dim)])
+    _split_with_sizes(cv, x, [min(split_size, size - i * split_size) for i in range(len(cv.fx.meta["val"]))], dim)
+
+
+def _split_with_sizes(cv: Converter, x, sizes, dim=0):
+    """split_with_sizes -> one slice per piece (the getitems then pick them)."""
     dim = _dim(cv, x, dim)
-    size = int(x.meta["val"].shape[dim])
-    outs = []
-    for i, val in enumerate(cv.fx.meta["val"]):
-        start, end, _ = _slice_bounds(size, i * split_size, (i + 1) * split_size, 1)
-        outs.append(cv.emit(Op.SLICE, [cv.arg(x)], {"dim": dim, "start": start, "end": end, "step": 1},
+    outs, start = [], 0
+    for i, (n, val) in enumerate(zip(sizes, cv.fx.meta["val"])):
+        outs.append(cv.emit(Op.SLICE, [cv.arg(x)], {"dim": dim, "start": start, "end": start + int(n), "step": 1},
                             suffix=f"_{i}", val=val))
+        start += int(n)
     cv.alias(tuple(outs))
 
 
@@ -538,6 +543,7 @@ CONVERTERS: dict[Any, Callable] = {
     aten.cat.default: _cat,
     aten.stack.default: _stack,
     aten.split.Tensor: _split,
+    aten.split_with_sizes.default: _split_with_sizes,
     aten.chunk.default: _chunk,
     # elementwise
     **{target: _unary(op) for target, op in (

@@ -11,6 +11,8 @@ The formulas are torch.optim's, written over the reals:
   ``p' = p*(1 - lr*wd) - (lr / (1 - b1^t)) * m' / (sqrt(v') / sqrt(1 - b2^t) + eps)``.
 
 The step is a graph input (role ``step``, positive), so a proof holds for every t.
+With ``step_before`` it is torch's ``state["step"]`` before the increment (what a
+recorded program reads: `tv_ray.frontend.traced`) and the graph adds one.
 """
 from __future__ import annotations
 
@@ -108,9 +110,11 @@ def _one_minus_power(app: _Appender, step: str, base: float, tag: str) -> str:
     return app.op(f"optim.{tag}", Op.ADD, [negated], "", other=1.0)
 
 
-def _adamw(app: _Appender, grads: Mapping[str, str], opt: AdamW) -> None:
+def _adamw(app: _Appender, grads: Mapping[str, str], opt: AdamW, step_before: bool = False) -> None:
     beta1, beta2 = opt.betas
-    step = app.add_input("step", (), "step", positive=True)
+    step = app.add_input("step", (), "step", positive=not step_before)
+    if step_before:
+        step = app.op("optim.step", Op.ADD, [step], "", other=1.0)
     correction1 = _one_minus_power(app, step, beta1, "bias_correction1")
     correction2 = _one_minus_power(app, step, beta2, "bias_correction2")
     step_size = app.op("optim.step_size", Op.MUL, [app.op("optim.bias_correction1_inv", Op.RECIPROCAL,
@@ -135,12 +139,14 @@ def _adamw(app: _Appender, grads: Mapping[str, str], opt: AdamW) -> None:
                         (f"new/exp_avg/{p}", m_new), (f"new/exp_avg_sq/{p}", v_new)]
 
 
-_OPTIMIZERS = {SGD: _sgd, AdamW: _adamw}
+_OPTIMIZERS = (SGD, AdamW)
 _BY_NAME = {"sgd": SGD, "adamw": AdamW}
 
 
-def append_optimizer(graph: Graph, optimizer: SGD | AdamW, clip: float | None = None) -> Graph:
-    """A new graph: `graph` followed by the (clipped) optimizer step on every parameter."""
+def append_optimizer(graph: Graph, optimizer: SGD | AdamW, clip: float | None = None,
+                     step_before: bool = False) -> Graph:
+    """A new graph: `graph` followed by the (clipped) optimizer step on every parameter (`step_before`: AdamW's
+    step input is the count before this step's increment)."""
     if type(optimizer) not in _OPTIMIZERS:
         raise CaptureError(f"unknown optimizer {optimizer!r}; one of {', '.join(t.__name__ for t in _OPTIMIZERS)}")
     app = _Appender(graph)
@@ -148,7 +154,10 @@ def append_optimizer(graph: Graph, optimizer: SGD | AdamW, clip: float | None = 
     grads = {p: outputs[f"grad/{p}"] for p in _params(graph)}
     if clip is not None:
         grads = _clip(app, grads, clip)
-    _OPTIMIZERS[type(optimizer)](app, grads, optimizer)
+    if isinstance(optimizer, AdamW):
+        _adamw(app, grads, optimizer, step_before)
+    else:
+        _sgd(app, grads, optimizer)
     return app.build()
 
 
@@ -157,7 +166,7 @@ RECIPE = {"optim": "sgd", "clip": None}     # the training recipe when none is g
 
 def capture_step(model: ModelSpec | torch.nn.Module, inputs: Sequence[torch.Tensor] | None = None, *,
                  optim: str | SGD | AdamW = RECIPE["optim"], clip: float | None = RECIPE["clip"],
-                 tied: bool | None = None,
+                 tied: bool | None = None, step_before: bool = False,
                  extrapolate: bool = True, int_highs: Mapping[str, int] | None = None, **hyper) -> Graph:
     """The full training step: forward, loss, backward and the optimizer update.
 
@@ -169,7 +178,8 @@ def capture_step(model: ModelSpec | torch.nn.Module, inputs: Sequence[torch.Tens
     `optim` is ``"sgd"`` / ``"adamw"`` (hyper-parameters as keywords: lr,
     betas, eps, weight_decay) or an `SGD` / `AdamW` instance; `clip` is the
     max global gradient norm; `tied` overrides a spec's tied embeddings;
-    `extrapolate` is `capture`'s (repeat the layer block of a deep model).
+    `extrapolate` is `capture`'s (repeat the layer block of a deep model);
+    `step_before`: AdamW's step input counts the steps before this one.
     """
     if isinstance(optim, str):
         if optim not in _BY_NAME:
@@ -184,4 +194,5 @@ def capture_step(model: ModelSpec | torch.nn.Module, inputs: Sequence[torch.Tens
         if not isinstance(model, ModelSpec):
             raise CaptureError("tied= applies to a ModelSpec; a module is captured as built")
         model = model.with_dims(tied=tied)
-    return append_optimizer(capture(model, inputs, extrapolate=extrapolate, int_highs=int_highs), optim, clip)
+    return append_optimizer(capture(model, inputs, extrapolate=extrapolate, int_highs=int_highs), optim, clip,
+                            step_before)

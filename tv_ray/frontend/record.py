@@ -17,7 +17,20 @@ as it is recorded:
 - a ``_foreach_*`` op becomes one op per list element;
 - a functional collective (``_c10d_functional.all_reduce``, ``all_gather_into_tensor``,
   ``reduce_scatter_tensor``) is kept with its process group resolved to mesh
-  axes; ``wait_tensor`` and ``_wrap_tensor_autograd`` are aliases.
+  axes; ``wait_tensor`` and ``_wrap_tensor_autograd`` are aliases; what a
+  backend runs while a collective is waited for (`Work.wait`) is not recorded:
+  the collective was, when issued;
+- FSDP2's own ops are recorded as what they compute: ``all_gather_copy_in``
+  (the shards concatenated into this rank's slice of the all-gather buffer),
+  ``split_with_sizes_copy`` (the gathered buffer into the unsharded
+  parameters), ``chunk_cat`` (the gradients into the reduce-scatter's input),
+  and a contiguous ``as_strided`` window (a sharded gradient) as a slice;
+- a tensor no op made but whose memory is exactly that of one holding a
+  value (the same storage, offset, size and dtype, both contiguous) is that
+  value reshaped: FSDP2's flat shard of a parameter, its unsharded parameter;
+  a view of memory with no value yet (a buffer re-allocated outside the step)
+  has none until an op writes it whole; writing one window of a buffer leaves
+  the windows that do not overlap it readable.
 
 A tensor the step reads that no recorded op made is a program input: a
 parameter's local shard, an optimizer state, a batch tensor (named by the
@@ -63,6 +76,8 @@ LIFTS = {aten.lift_fresh.default, aten.lift_fresh_copy.default}
 UNINITIALISED = {aten.empty.memory_format, aten.empty_strided.default, aten.new_empty_strided.default,
                  aten.new_empty.default, aten.empty_like.default}
 IN_PLACE_COLLECTIVES = {c10d_.allreduce_.default, c10d_._allgather_base_.default, c10d_._reduce_scatter_base_.default}
+FSDP_OPS = {"fsdp::all_gather_copy_in": "_all_gather_copy_in", "fsdp::split_with_sizes_copy": "_split_with_sizes_copy",
+            "fsdp::chunk_cat": "_chunk_cat"}      # FSDP2's own ops (torch.distributed.fsdp), by the handler
 
 
 class Value:
@@ -114,6 +129,30 @@ class Recorder(TorchDispatchMode):
         self.empty: dict[int, str] = {}                  # id(tensor) -> the op that made it uninitialised
         self.sources: dict[str, str] = {}                # node -> the line of the script's code that ran it
         self.module_at: dict[str, str] = {}              # a forward line -> the module its first op ran in
+        self.entered = 0                                 # `with self` depth (`__enter__`)
+        for tensor, _, _ in inputs.values():             # a write through an alias makes an input stale too
+            self._hold(tensor)
+
+    def __enter__(self):
+        """The mode, and `Work.wait` run outside it: a backend completing a collective recorded when it was issued
+        (gloo's reduce-scatter copies its result into the output as it is waited for) runs ops of its own."""
+        from torch.distributed.distributed_c10d import Work
+        if self.entered == 0:
+            wait = self.wait = Work.wait
+
+            def quiet(work, *args, **kwargs):
+                with torch.utils._python_dispatch._disable_current_modes():
+                    return wait(work, *args, **kwargs)
+            Work.wait = quiet
+        self.entered += 1
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        from torch.distributed.distributed_c10d import Work
+        self.entered -= 1
+        if self.entered == 0:
+            Work.wait = self.wait
+        return super().__exit__(*exc)
 
     # -- what the step runs -----------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -133,15 +172,23 @@ class Recorder(TorchDispatchMode):
         if func in ALIASES:
             self._bind(out, self._read(args[0], func))
             return out
-        if func in UNINITIALISED or func in (aten.detach.default, aten.alias.default) and id(args[0]) in self.empty:
-            self._hold(out)                 # no value until an op writes all of it (`copy_`, a collective's output)
-            self.empty[id(out)] = self.empty.get(id(args[0]), str(func)) if args else str(func)
-            return out
         if func in LIFTS and id(args[0]) not in self.node and args[0].dim() == 0:
             self._bind(out, self._constant(args[0]))       # a scalar constant the code made: torch.tensor(3)
             return out
+        if func in UNINITIALISED or func.is_view and self._unvalued(args[0]):
+            made = self.empty.get(id(args[0]), str(func)) if args else str(func)
+            for tensor in tree_leaves(out):     # no value until an op writes all of it (`copy_`, a collective)
+                self._hold(tensor)
+                self.empty[id(tensor)] = made
+            return out
         if func in IN_PLACE_COLLECTIVES:
             self._in_place_collective(func, args)
+            return out
+        if func._schema.name in FSDP_OPS:
+            getattr(self, FSDP_OPS[func._schema.name])(func, args, kwargs, out)
+            return out
+        if func is aten.as_strided.default:
+            self._as_strided(func, args, out)
             return out
         if func is aten.copy_.default and args[0].shape == args[1].shape and args[0].dtype == args[1].dtype:
             self._changed(args[0], func)           # self is overwritten whole: it holds src from now on
@@ -205,6 +252,61 @@ class Recorder(TorchDispatchMode):
         self._changed(output, func)
         self._bind(output, node)
 
+    def _flat(self, tensor: torch.Tensor, shape: list[int]) -> torch.fx.Node:
+        return self._op(aten.view.default, (tensor, shape), {}, tensor.reshape(shape))
+
+    def _all_gather_copy_in(self, func, args, kwargs, out) -> None:
+        """FSDP2's copy of this rank's parameter shards into its slice of the all-gather buffer: the slice is their
+        concatenation, flattened; the rest of the buffer has no value until the all-gather writes it."""
+        inputs, buffer = args[0], args[1]
+        slice_, whole = out
+        node = self._op(aten.cat.default, ([self._flat(t, [-1]) for t in inputs], 0), {}, slice_)
+        for tensor in {id(buffer): buffer, id(whole): whole}.values():
+            self._hold(tensor)
+            self._changed(tensor, func)
+            self.node.pop(id(tensor), None)
+            self.empty[id(tensor)] = str(func)
+        self._bind(slice_, node)
+
+    def _split_with_sizes_copy(self, func, args, kwargs, out) -> None:
+        """FSDP2's copy of the all-gathered buffer into the unsharded parameters: each `out` tensor written whole."""
+        gathered, sizes = args[0], args[1]
+        dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+        targets = kwargs["out"]
+        parts = gathered.split(list(sizes), dim)
+        if [p.shape for p in parts] != [t.shape for t in targets]:
+            raise CaptureError(f"{self._where()}: {func} into tensors of other shapes than its parts")
+        node = self._op(aten.split_with_sizes.default, (gathered, list(sizes), dim), {}, parts)
+        for target in targets:
+            self._changed(target, func)
+        self._bind(tuple(targets), node)
+
+    def _chunk_cat(self, func, args, kwargs, out) -> None:
+        """FSDP2's gradients into the reduce-scatter's input: each split into `chunks` along `dim`, chunk k of every
+        one flattened and concatenated into row k (`out` written whole)."""
+        tensors, dim, chunks = args[0], args[1], args[2]
+        target = kwargs["out"]
+        if any(t.shape[dim] % chunks for t in tensors):
+            raise CaptureError(f"{self._where()}: {func} of a tensor whose dim {dim} is not a multiple of {chunks} "
+                               f"(padded shards are not recorded)")
+        rows = [self._flat(t, [*t.shape[:dim], chunks, -1]) for t in tensors]
+        node = self._op(aten.cat.default, (rows, dim + 1), {}, target)
+        self._changed(target, func)
+        self._bind(target, node)
+
+    def _as_strided(self, func, args, out) -> None:
+        """A contiguous window of a contiguous tensor (FSDP2's sharded gradients on the reduce-scatter's output) as
+        a slice of it, flattened, viewed; any other striding is refused."""
+        base = args[0]
+        start = out.storage_offset() - base.storage_offset()
+        if not (out.is_contiguous() and base.is_contiguous()) or _storage(out) != _storage(base) or \
+                not 0 <= start <= base.numel() - out.numel():
+            raise CaptureError(f"{self._where()}: {func} with strides {tuple(out.stride())} (only a contiguous window "
+                               f"of a contiguous tensor is recorded)")
+        flat = self._flat(base, [-1])
+        window = self._op(aten.slice.Tensor, (flat, 0, start, start + out.numel()), {}, base.reshape(-1)[:out.numel()])
+        self._bind(out, self._op(aten.view.default, (window, list(out.shape)), {}, out))
+
     def _in_place(self, func, name: str, args, kwargs) -> None:
         """An in-place op as its out-of-place twin; the tensor changed reads the new node, its aliases go stale."""
         functional = FUNCTIONAL.get(func) or _overload(name.rstrip("_"), func._overloadname)
@@ -237,16 +339,20 @@ class Recorder(TorchDispatchMode):
     # -- tensors and nodes ------------------------------------------------------------------
     def _read(self, tensor: torch.Tensor, func) -> torch.fx.Node:
         key = id(tensor)
+        node = self.node.get(key) if key not in self.stale else None
+        if node is not None:
+            return node
+        known = self.known.get(key)
+        if known is None or known[0] is not tensor or key in self.stale:
+            node = self._same_memory(tensor)
+            if node is not None:
+                return node
         if key in self.stale:
             raise CaptureError(f"{self._where()}: {func} reads a tensor {tuple(tensor.shape)} after {self.stale[key]} "
                                f"changed memory it shares; a program cannot hold that aliasing")
-        node = self.node.get(key)
-        if node is not None:
-            return node
         if key in self.empty:
             raise CaptureError(f"{self._where()}: {func} reads a {_describe(tensor)} made by {self.empty[key]} that no "
                                f"op wrote whole")
-        known = self.known.get(key)
         if known is None or known[0] is not tensor:
             raise CaptureError(f"{self._where()}: {func} reads a {_describe(tensor)} that no recorded op made and "
                                f"that is no parameter, optimizer state or batch tensor of the step")
@@ -257,12 +363,41 @@ class Recorder(TorchDispatchMode):
         self._bind(tensor, node)
         return node
 
+    def _unvalued(self, tensor) -> bool:
+        """A tensor with no value yet: made uninitialised, or from outside the step and no input (FSDP2's unsharded
+        parameter buffers, re-allocated for each all-gather) — a view of it has none either."""
+        key = id(tensor)
+        if not isinstance(tensor, torch.Tensor) or key in self.stale or key in self.node:
+            return False
+        if key in self.empty:
+            return True
+        return self.known.get(key, (None,))[0] is not tensor and self._same_memory(tensor) is None
+
+    def _same_memory(self, tensor: torch.Tensor) -> torch.fx.Node | None:
+        """`tensor` as a view of a tensor holding a value on exactly its memory (the same storage, offset, size and
+        dtype, both contiguous: FSDP's flat shard of a parameter, its unsharded parameter on the all-gather's
+        output) — its value is that tensor's, reshaped; None if there is none."""
+        if not tensor.is_contiguous():
+            return None
+        offset, numel = tensor.storage_offset(), tensor.numel()
+        for other in reversed(self.sharing.get(_storage(tensor), ())):
+            key = id(other)
+            if other is tensor or key in self.stale or key in self.empty or not other.is_contiguous() or \
+                    (other.storage_offset(), other.numel(), other.dtype) != (offset, numel, tensor.dtype):
+                continue
+            if key in self.node or (key in self.known and self.known[key][0] is other):
+                node = self._op(aten.view.default, (other, list(tensor.shape)), {}, tensor)
+                self._bind(tensor, node)
+                return node
+        return None
+
     def _bind(self, value, node: torch.fx.Node) -> None:
         """The tensor(s) `value` hold `node` (a list or tuple of tensors: one getitem each)."""
         if isinstance(value, torch.Tensor):
             self._hold(value)
             self.node[id(value)] = node
             self.stale.pop(id(value), None)
+            self.empty.pop(id(value), None)
         elif isinstance(value, (list, tuple)):
             for i, item in enumerate(value):
                 if isinstance(item, torch.Tensor):
@@ -278,10 +413,14 @@ class Recorder(TorchDispatchMode):
             self.sharing.setdefault(storage, []).append(tensor)
 
     def _changed(self, tensor: torch.Tensor, func) -> None:
-        """Every other tensor seen sharing `tensor`'s memory is stale."""
+        """Every other tensor seen sharing `tensor`'s memory is stale (one on another part of the same storage is
+        not: FSDP2's sharded gradients are windows of one reduce-scatter output)."""
+        span = _span(tensor)
         for other in self.sharing.get(_storage(tensor), ()):
             if other is not tensor:
-                self.stale[id(other)] = str(func)
+                lo, hi = _span(other)
+                if lo < span[1] and span[0] < hi:
+                    self.stale[id(other)] = str(func)
 
     def _where(self) -> str:
         return f"module {self.module[-1]!r}" if self.module and self.module[-1] else "the step"
@@ -417,6 +556,16 @@ def _storage(tensor: torch.Tensor):
         return tensor.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):
         return None
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage a tensor may touch: [first, last + 1) (a strided tensor's whole extent)."""
+    size = tensor.element_size()
+    first = tensor.storage_offset() * size
+    if tensor.numel() == 0:
+        return first, first
+    extent = 1 + sum((n - 1) * abs(s) for n, s in zip(tensor.shape, tensor.stride()))
+    return first, first + extent * size
 
 
 def _describe(tensor: torch.Tensor) -> str:

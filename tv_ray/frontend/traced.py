@@ -22,21 +22,30 @@ then records a second one (`tv_ray.frontend.record`): loss, backward,
 clipping, optimizer step. Its program's boundary lineage is read off the
 tensors themselves — a parameter's, gradient's and updated parameter's
 slice from its DTensor placements (`compute_local_shape_and_global_offset`;
-a replicated plain tensor: all of it), the loss likewise, a batch tensor's
-by finding its value in the global batch — each stated for that rank alone
+a replicated plain tensor: all of it), a batch tensor's by finding its value
+in the global batch, the loss's by comparing each rank's warm-step loss with
+the single-device one (`_loss_relation`: each data-parallel rank's mean over
+its own rows is a partial sum of dp times the loss) — each stated for that rank alone
 (``where`` pins every mesh coordinate but a partial sum's axes). The logical
 graph is the single-device model's step captured as `tv-ray plan` captures
 one (`capture_step`): the same loss function, optimizer and clipping.
 Programs equal across ranks are stored once.
 
-AdamW is not recorded yet: torch reads its step count into Python for the
-bias corrections, so a recorded program would hold one step's constants.
+The optimizer is torch.optim.SGD (plain: one learning rate) or AdamW (Adam
+with decoupled weight decay, or none; no amsgrad). AdamW's state (``exp_avg``,
+``exp_avg_sq`` and the step count, made by the warm step) are program inputs
+whose lineage is the parameter's; its step is recorded on torch's capturable
+path, where the step count stays a tensor (the default path reads it into
+Python, so the program would hold one step's bias corrections as constants):
+the same formulas, and so a proof for every step count.
 """
 from __future__ import annotations
 
 import importlib.util
 import inspect
+import itertools
 import json
+import math
 import os
 import socket
 import subprocess
@@ -44,6 +53,8 @@ import sys
 import tempfile
 import time
 import traceback
+from contextlib import contextmanager
+from fractions import Fraction
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -51,7 +62,7 @@ from typing import Any
 import torch
 
 from tv_ray.errors import CaptureError, TraceFailed
-from tv_ray.frontend.optim import SGD, capture_step
+from tv_ray.frontend.optim import SGD, AdamW, capture_step
 from tv_ray.frontend.record import RankConverter, Recorder
 from tv_ray.ir import Graph
 from tv_ray.plan import FORMAT, Fixed, Lineage, Plan, RankMap
@@ -150,15 +161,18 @@ def _record_rank(rank: int, world_size: int, script: ModuleType, port: int) -> d
         torch.manual_seed(SEED)
         model = script.parallelize(script.model(), mesh)
         optimizer = script.optimizer(model.parameters())
-        _supported(optimizer)
+        _optimizer(optimizer)
         torch.manual_seed(SEED + 1)
         whole = script.batch()
         batch = script.shard(whole, mesh) if hasattr(script, "shard") else whole
         clip = getattr(script, "CLIP", None)
-        _step(script, model, optimizer, batch, clip)          # warm: optimizer state, DTensor's caches
+        warm = _step(script, model, optimizer, batch, clip)   # warm: optimizer state, DTensor's caches
         params = dict(model.named_parameters())
+        states = _states(optimizer, params)
         known = {id(_local(p)): (_local(p), name, "param") for name, p in params.items()}
         known |= {id(t): (t, name, "data") for name, t in batch.items()}
+        known |= {id(_local(t)): (_local(t), name, "step" if name.startswith("step/") else "state")
+                  for name, (t, _) in states.items()}
         recorder = Recorder(known, _group_axes(mesh, names))
         grads: dict[str, Any] = {}
 
@@ -169,18 +183,22 @@ def _record_rank(rank: int, world_size: int, script: ModuleType, port: int) -> d
         hooks += recorder.watch(model)
         try:
             # anomaly mode keeps each forward op's stack: a backward op's source line is its forward op's
-            with torch.autograd.set_detect_anomaly(True, check_nan=False), recorder:
+            with torch.autograd.set_detect_anomaly(True, check_nan=False), _tensor_step(optimizer), recorder:
                 loss = _step(script, model, optimizer, batch, clip)
         finally:
             for hook in hooks:
                 hook.remove()
-        ends = [("loss", loss)] + [(f"new/{n}", p) for n, p in params.items()]
+        ends = [("loss", loss)] + [(f"new/{n}", p) for n, p in params.items()] + \
+            [(f"new/{n}", t) for n, (t, _) in states.items() if not n.startswith("step/")]
         program = RankConverter(recorder.recording([(name, _local(t)) for name, t in ends])).run()
         coords = dict(zip(names, (int(c) for c in mesh.get_coordinate())))
-        return {"program": program.to_json(), "coords": coords,
+        return {"program": program.to_json(), "coords": coords, "loss": float(_local(warm).detach()),
                 "boxes": {**{name: _box(t, mesh) for name, t in [*params.items(), ("loss", loss)]},
                           **{f"grad/{n}": _box(g, mesh, params[n]) for n, g in grads.items()},
-                          **{f"new/{n}": _box(p, mesh) for n, p in params.items()}},
+                          **{f"new/{n}": _box(p, mesh) for n, p in params.items()},
+                          **{n: _box(t, mesh, like) for n, (t, like) in states.items()},
+                          **{f"new/{n}": _box(t, mesh, like) for n, (t, like) in states.items()
+                             if not n.startswith("step/")}},
                 "batch": {name: _found(t, whole[name], name) for name, t in batch.items()}}
     finally:
         dist.destroy_process_group()
@@ -208,16 +226,62 @@ def _step(script, model, optimizer, batch, clip):
     return loss
 
 
-def _supported(optimizer) -> None:
-    if type(optimizer) is not torch.optim.SGD:
-        raise CaptureError(f"optimizer {type(optimizer).__name__}: only torch.optim.SGD is recorded (AdamW reads its "
-                           f"step count into Python: tv_ray.frontend.traced)")
-    if len({group["lr"] for group in optimizer.param_groups}) > 1:
-        raise CaptureError("optimizer SGD with parameter groups of different learning rates: one lr is recorded")
-    for group in optimizer.param_groups:
+def _optimizer(optimizer) -> SGD | AdamW:
+    """The torch optimizer as tv_ray's (`tv_ray.frontend.optim`), or a `CaptureError` saying what is not recorded."""
+    groups = optimizer.param_groups
+    kind = type(optimizer).__name__
+    hyper = {k: [g.get(k) for g in groups] for k in ("lr", "betas", "eps", "weight_decay")}
+    differing = [k for k, values in hyper.items() if any(v != values[0] for v in values)]
+    if differing:
+        raise CaptureError(f"optimizer {kind} with parameter groups of different {', '.join(differing)}: one of each "
+                           f"is recorded")
+    group = groups[0]
+    if group.get("maximize") or group.get("fused") or group.get("differentiable"):
+        raise CaptureError(f"optimizer {kind} with maximize, fused or differentiable: not recorded")
+    if type(optimizer) is torch.optim.SGD:
         extra = {k: group[k] for k in ("momentum", "weight_decay", "dampening") if group.get(k)}
-        if extra or group.get("nesterov") or group.get("maximize"):
-            raise CaptureError(f"optimizer SGD with {extra or 'nesterov/maximize'}: only plain SGD (lr) is recorded")
+        if extra or group.get("nesterov"):
+            raise CaptureError(f"optimizer SGD with {extra or 'nesterov'}: only plain SGD (lr) is recorded")
+        return SGD(lr=group["lr"])
+    if isinstance(optimizer, torch.optim.Adam) and type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
+        if group["amsgrad"]:
+            raise CaptureError(f"optimizer {kind} with amsgrad: not recorded")
+        if group["weight_decay"] and not group.get("decoupled_weight_decay"):
+            raise CaptureError("optimizer Adam with (L2) weight_decay: only decoupled weight decay (AdamW) is recorded")
+        if any(isinstance(v, torch.Tensor) for v in (group["lr"], *group["betas"])):
+            raise CaptureError(f"optimizer {kind} with a tensor lr or betas: not recorded")
+        return AdamW(lr=group["lr"], betas=tuple(group["betas"]), eps=group["eps"], weight_decay=group["weight_decay"])
+    raise CaptureError(f"optimizer {kind}: torch.optim.SGD and AdamW are recorded")
+
+
+def _states(optimizer, params: dict) -> dict[str, tuple[Any, Any]]:
+    """The optimizer state the recorded step reads, by input name → (tensor, its parameter)."""
+    states = {}
+    for name, p in params.items():
+        state = optimizer.state.get(p, {})
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            if key in state:
+                states[f"{key}/{name}"] = (state[key], p if key != "step" else None)
+    return states
+
+
+@contextmanager
+def _tensor_step(optimizer):
+    """Adam's step on its capturable path (the step count a tensor, not a Python float), allowed on CPU."""
+    import torch.optim.adam as adam
+    if not isinstance(optimizer, torch.optim.Adam):
+        yield
+        return
+    devices, flags = adam._get_capturable_supported_devices, [g["capturable"] for g in optimizer.param_groups]
+    adam._get_capturable_supported_devices = lambda: [*devices(), "cpu"]
+    for group in optimizer.param_groups:
+        group["capturable"] = True
+    try:
+        yield
+    finally:
+        adam._get_capturable_supported_devices = devices
+        for group, flag in zip(optimizer.param_groups, flags):
+            group["capturable"] = flag
 
 
 def _local(tensor):
@@ -275,6 +339,8 @@ def _found(local: torch.Tensor, whole: torch.Tensor, name: str) -> dict:
 
 # -- the plan -----------------------------------------------------------------------------------
 def _plan(script: ModuleType, mesh: dict[str, int], ranks: list[dict]) -> Plan:
+    logical, loss = _logical(script)
+    partial, scale = _loss_relation(mesh, ranks, loss)
     programs: dict[str, Graph] = {}
     by_json: dict[str, str] = {}
     chosen = []
@@ -287,10 +353,12 @@ def _plan(script: ModuleType, mesh: dict[str, int], ranks: list[dict]) -> Plan:
     overrides = tuple((r, name) for r, name in enumerate(chosen) if name != chosen[0])
     lineage = []
     for record in ranks:
+        if not record["boxes"]["loss"]["partial"]:
+            record["boxes"]["loss"] |= {"partial": list(partial), "scale": scale}
         for tensor, box in {**record["boxes"], **record["batch"]}.items():
             lineage.append(_entry(record["coords"], tensor, box))
     return Plan(format=FORMAT, model=Path(script.__file__).stem, dims={}, mesh=tuple(mesh.items()),
-                microbatches=1, schedule="none", logical=_logical(script), programs=programs,
+                microbatches=1, schedule="none", logical=logical, programs=programs,
                 ranks=RankMap(chosen[0], overrides), lineage=tuple(dict.fromkeys(lineage)))
 
 
@@ -304,7 +372,30 @@ def _entry(coords: dict[str, int], tensor: str, box: dict) -> Lineage:
                                    f"split (uneven shards are not lineage)")
             cuts.append((d, (Fixed(offset // size, whole // size),)))
     where = tuple((axis, c) for axis, c in coords.items() if axis not in box["partial"])
-    return Lineage(where, tensor, tensor, tuple(cuts), tuple(box["partial"]))
+    logical = "step" if tensor.startswith("step/") else tensor      # every parameter's step count: the one step
+    return Lineage(where, tensor, logical, tuple(cuts), tuple(box["partial"]), Fraction(box.get("scale", 1)))
+
+
+def _loss_relation(mesh: dict[str, int], ranks: list[dict], loss: float) -> tuple[tuple[str, ...], int]:
+    """How each rank's loss (of the warm step, at the weights the single-device model starts from) relates to the
+    single-device `loss`, found by value: equal (no axes), else summed over the ranks of the fewest mesh axes,
+    equal to it or to the group's size times it (each rank's mean over its own samples). Neither: no axes, and the
+    loss's stage is refuted where it differs — the relation is output lineage, proved, never assumed."""
+    close = lambda a, b: abs(a - b) <= 1e-9 * max(1.0, abs(b))     # noqa: E731
+    if all(close(r["loss"], loss) for r in ranks):
+        return (), 1
+    axes = [a for a, n in mesh.items() if n > 1]
+    for k in range(1, len(axes) + 1):
+        for subset in itertools.combinations(axes, k):
+            sums: dict[tuple, float] = {}
+            for r in ranks:
+                group = tuple((a, c) for a, c in r["coords"].items() if a not in subset)
+                sums[group] = sums.get(group, 0.0) + r["loss"]
+            size = math.prod(mesh[a] for a in subset)
+            for scale in (1, size):
+                if all(close(s, scale * loss) for s in sums.values()):
+                    return subset, scale
+    return (), 1
 
 
 class _Step(torch.nn.Module):
@@ -318,12 +409,12 @@ class _Step(torch.nn.Module):
         return self.loss_fn(self.model, dict(zip(self.names, tensors)))
 
 
-def _logical(script: ModuleType) -> Graph:
-    """The single-device step: the script's model and loss captured, its optimizer and clipping appended."""
+def _logical(script: ModuleType) -> tuple[Graph, float]:
+    """The single-device step: the script's model and loss captured, its optimizer and clipping appended; and its
+    loss at the initial weights."""
     torch.manual_seed(SEED)
     model = script.model()
-    optimizer = script.optimizer(model.parameters())
-    _supported(optimizer)
+    optimizer = _optimizer(script.optimizer(model.parameters()))
     torch.manual_seed(SEED + 1)
     whole = script.batch()
     names = list(whole)
@@ -331,20 +422,25 @@ def _logical(script: ModuleType) -> Graph:
     step.forward.__func__.__signature__ = inspect.Signature(
         [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)] +
         [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names])
-    graph = capture_step(step, tuple(whole[n] for n in names), optim=SGD(lr=optimizer.param_groups[0]["lr"]),
+    with torch.no_grad():
+        loss = float(step(*(whole[n] for n in names)))
+    graph = capture_step(step, tuple(whole[n] for n in names), optim=optimizer, step_before=True,
                          clip=getattr(script, "CLIP", None), int_highs=getattr(script, "HIGHS", None))
-    return _without_prefix(graph, "model.")
+    return _without_prefix(graph, "model."), loss
 
 
 def _without_prefix(graph: Graph, prefix: str) -> Graph:
-    """The graph with `prefix` dropped from every parameter's name (in inputs, args and outputs)."""
+    """The graph with `prefix` dropped from every parameter's name, alone or after a role (``grad/``, ``exp_avg/``,
+    ``new/exp_avg/``), in inputs, args and outputs."""
     params = {s.name: s.name[len(prefix):] for s in graph.inputs if s.role == "param" and s.name.startswith(prefix)}
-    rename = lambda name: params.get(name, name)    # noqa: E731
-    out = lambda name: name.split("/", 1)[0] + "/" + rename(name.split("/", 1)[1]) if "/" in name else name  # noqa: E731
+
+    def rename(name: str) -> str:
+        head, sep, tail = name.rpartition("/")
+        return head + sep + params.get(tail, tail)
     from dataclasses import replace
     return Graph(tuple(replace(s, name=rename(s.name)) for s in graph.inputs),
                  tuple(replace(n, args=tuple(rename(a) for a in n.args)) for n in graph.nodes),
-                 tuple((out(name), rename(value)) for name, value in graph.outputs), graph.name)
+                 tuple((rename(name), rename(value)) for name, value in graph.outputs), graph.name)
 
 
 if __name__ == "__main__":          # one rank: RANK WORLD_SIZE SCRIPT PORT OUT (`_run_ranks`)
