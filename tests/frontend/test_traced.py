@@ -26,6 +26,14 @@ def manual_tp_line(text: str) -> str:
     return f"{SCRIPTS / 'manual_tp.py'}:{next(i for i, line in enumerate(lines, 1) if text in line)}"
 
 
+def with_bug(tmp_path, script: str, bug: str) -> Path:
+    """The test script `script` with its BUG set: a script that imports it, sets BUG and takes its contract."""
+    path = tmp_path / f"{script}_{bug}.py"
+    path.write_text(f"import sys\nsys.path.insert(0, {str(SCRIPTS)!r})\nimport {script}\n"
+                    f"from {script} import *  # noqa\n{script}.BUG = {bug!r}\n")
+    return path
+
+
 def verified(plan):
     return tv_ray.verify(plan, engine="local", progress=False)
 
@@ -71,12 +79,25 @@ def test_fsdp2_data_parallel_mlp_with_adamw_is_proved():
     assert scaled == {(2, ()), (2, ("dp",))}
 
 
-def test_fsdp2_without_its_gradient_divide_is_refuted_with_the_factor():
-    result = verified(trace(SCRIPTS / "fsdp_mlp_no_divide.py"))
+@pytest.mark.parametrize("bug, factor", [("no_divide", "physical = 2 × logical: a sum where a mean was meant"),
+                                         ("divide_twice", "physical = 0.5 × logical")])
+def test_fsdp2_gradients_divided_wrong_are_refuted_with_the_factor(tmp_path, bug, factor):
+    """Its divide switched off (a reduction summing where it should average) or done twice (B8)."""
+    result = verified(trace(with_bug(tmp_path, "fsdp_mlp", bug)))
     assert result.status == "refuted"
     assert result.report["stage"]["phase"] == "bwd"
-    assert "physical = 2 × logical: a sum where a mean was meant" in result.report["headline"]
-    assert "grad/" in result.report["headline"]
+    assert factor in result.report["headline"] and "grad/" in result.report["headline"]
+
+
+def test_clipping_that_clips_is_proved_and_a_gradient_left_out_of_its_norm_is_refuted(tmp_path):
+    """B27: the global norm over every gradient but one, every gradient still clipped by it (clipping active in
+    every run, so the wrong norm changes the update)."""
+    result = verified(trace(SCRIPTS / "dtensor_mlp_clip.py"))
+    assert result.proved, result.report.get("headline")
+    result = verified(trace(with_bug(tmp_path, "dtensor_mlp_clip", "norm_drops_one")))
+    assert result.status == "refuted"
+    stage = result.report["stage"]
+    assert stage["phase"] == "optim" and stage["module"] == "up" and "new/up.weight" in result.report["headline"]
 
 
 def test_optimizers_torch_cannot_be_recorded_as_are_refused():
@@ -113,8 +134,8 @@ def test_megatron_core_tensor_parallelism_is_proved():
     assert result.proved, result.report.get("headline")
 
 
-def test_a_missing_backward_all_reduce_is_located():
-    result = verified(trace(SCRIPTS / "manual_tp_backward.py"))
+def test_a_missing_backward_all_reduce_is_located(tmp_path):
+    result = verified(trace(with_bug(tmp_path, "manual_tp", "backward")))
     assert result.status == "refuted"
     stage = result.report["stage"]
     assert stage["phase"] == "bwd" and stage["module"] == "inp"
@@ -123,8 +144,8 @@ def test_a_missing_backward_all_reduce_is_located():
     assert "a reduction (all-reduce / reduce-scatter) over tp is missing" in result.report["headline"]
 
 
-def test_an_output_reduced_twice_is_refuted_at_the_line_that_computes_the_loss():
-    result = verified(trace(SCRIPTS / "manual_tp_twice.py"))
+def test_an_output_reduced_twice_is_refuted_at_the_line_that_computes_the_loss(tmp_path):
+    result = verified(trace(with_bug(tmp_path, "manual_tp", "twice")))
     assert result.status == "refuted"
     stage = result.report["stage"]
     assert stage["phase"] == "fwd" and stage["source"] == manual_tp_line(".pow(2).mean()")

@@ -2,7 +2,8 @@
 
 FSDP2 all-gathers each module's parameters before its forward and backward and reduce-scatters the gradients,
 dividing them by the data-parallel size first (float64: the divide before the sum). BUG = "no_divide" switches
-the divide off, as a reduction that sums where it should average.
+the divide off, as a reduction that sums where it should average; BUG = "divide_twice" divides twice, as sharded
+data parallelism dividing once in its reduction and once more after it (B8: VeOmni PR #1079).
 """
 import sys
 from pathlib import Path
@@ -22,9 +23,12 @@ def model():
 
 
 def parallelize(model, mesh):
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
+    divide = collectives._div_if_needed
     if BUG == "no_divide":      # FSDP2's divide factor of one: its reduce-scatter sums the gradients
-        from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
         collectives._div_if_needed = lambda tensor, factor: None
+    elif BUG == "divide_twice":
+        collectives._div_if_needed = lambda tensor, factor: (divide(tensor, factor), divide(tensor, factor))
     fully_shard(model.up, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     return model
