@@ -1,14 +1,17 @@
-"""megatron-core tensor parallelism — ColumnParallelLinear then RowParallelLinear, as Megatron's MLP writes them —
-traced and verified (`pip install -e '.[megatron]'`: megatron-core 0.16.1, the last release for Python 3.11):
+"""megatron-core on a dp × tp mesh — ColumnParallelLinear then RowParallelLinear, as Megatron's MLP writes them,
+wrapped in megatron-core's DistributedDataParallel — traced and verified (`pip install -e '.[megatron]'`: megatron-core
+0.16.1, the last release for Python 3.11):
 
-    tv-ray trace docs/examples/megatron_tp.py --world-size 2 -o plan.json && tv-ray verify plan.json -o out
+    tv-ray trace docs/examples/megatron_tp.py --world-size 4 -o plan.json && tv-ray verify plan.json -o out
 
-megatron-core builds its own tensor-parallel process group; tv_ray finds it as the mesh's tp axis by its ranks, and
-each weight's shard from megatron-core's `tensor_model_parallel` / `partition_dim` attributes."""
+megatron-core builds its own process groups; tv_ray finds them as the mesh's axes by their ranks, and each weight's
+shard from megatron-core's `tensor_model_parallel` / `partition_dim` attributes. Its DistributedDataParallel adds
+each gradient into a contiguous buffer (`main_grad`), scales the buffer by 1/dp and all-reduces it over dp; the step
+hands the reduced `main_grad` to the optimizer as Megatron's optimizer does."""
 import torch
 import torch.nn.functional as F
 
-MESH = {"tp": 2}
+MESH = {"dp": 2, "tp": 2}
 D, H = 4, 8
 
 
@@ -49,6 +52,7 @@ def model():
 def parallelize(model, mesh):
     _megatron_on_cpu()
     from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer import TransformerConfig
     tp = mesh["tp"].size()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
@@ -60,7 +64,7 @@ def parallelize(model, mesh):
     with torch.no_grad():
         sharded.fc1.weight.copy_(model.fc1.weight[rows])
         sharded.fc2.weight.copy_(model.fc2.weight[:, rows])
-    return sharded
+    return DistributedDataParallel(config, DistributedDataParallelConfig(overlap_grad_reduce=False), module=sharded)
 
 
 def optimizer(params):
@@ -68,8 +72,28 @@ def optimizer(params):
 
 
 def batch():
-    return {"x": torch.randn(3, D, dtype=torch.float64), "y": torch.randn(3, D, dtype=torch.float64)}
+    return {"x": torch.randn(4, D, dtype=torch.float64), "y": torch.randn(4, D, dtype=torch.float64)}
+
+
+def shard(batch, mesh):
+    """This rank's rows: its data-parallel rank's share."""
+    rank, size = mesh["dp"].get_local_rank(), mesh["dp"].size()
+    return {name: tensor.chunk(size)[rank] for name, tensor in batch.items()}
 
 
 def loss(model, batch):
     return (model(batch["x"]) - batch["y"]).pow(2).mean()
+
+
+def step(model, optimizer, batch):
+    """Megatron's training step: the gradient buffer zeroed, forward and backward, the gradients all-reduced over dp
+    (`finish_grad_sync`), the reduced `main_grad` handed to the optimizer."""
+    model.zero_grad_buffer()
+    value = loss(model, batch)
+    value.backward()
+    model.finish_grad_sync()
+    for param in model.parameters():
+        param.grad = param.main_grad
+    optimizer.step()
+    optimizer.zero_grad()
+    return value

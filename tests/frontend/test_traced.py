@@ -124,14 +124,42 @@ def test_megatron_style_tensor_parallelism_is_proved():
 
 
 def test_megatron_core_tensor_parallelism_is_proved():
-    """megatron-core's own ColumnParallelLinear / RowParallelLinear, its own process group (the `megatron` extra)."""
+    """megatron-core's own ColumnParallelLinear / RowParallelLinear and DistributedDataParallel on dp × tp, its own
+    process groups (the `megatron` extra)."""
     pytest.importorskip("megatron.core", reason="the megatron extra: pip install -e '.[test,megatron]'")
     plan = trace(ROOT / "docs" / "examples" / "megatron_tp.py")
     lineage = {(entry.tensor, entry.where): entry.slice for entry in plan.lineage}
-    assert lineage["fc1.weight", (("tp", 1),)] == ((0, (Fixed(1, 2),)),)      # partition_dim 0
-    assert lineage["fc2.weight", (("tp", 1),)] == ((1, (Fixed(1, 2),)),)      # partition_dim 1
+    assert lineage["fc1.weight", (("dp", 1), ("tp", 1))] == ((0, (Fixed(1, 2),)),)      # partition_dim 0
+    assert lineage["fc2.weight", (("dp", 1), ("tp", 1))] == ((1, (Fixed(1, 2),)),)      # partition_dim 1
+    assert ("all_reduce", ("dp",)) in {(node.op.value, tuple(node.attr.get("axes", ())))
+                                       for node in plan.programs["rank0"].nodes}    # its DDP's, of the scaled buffer
     result = verified(plan)
     assert result.proved, result.report.get("headline")
+
+
+def test_megatron_core_without_its_gradient_sync_is_refuted_at_the_gradient(tmp_path):
+    """megatron-core's DistributedDataParallel without `finish_grad_sync`: each dp rank's gradient is its own
+    rows' — a partial sum over dp of dp times the gradient, neither scaled nor reduced, named so."""
+    pytest.importorskip("megatron.core", reason="the megatron extra: pip install -e '.[megatron]'")
+    result = verified(trace(with_bug(tmp_path, "megatron_ddp", "no_sync")))
+    assert result.status == "refuted"
+    assert result.report["stage"]["phase"] == "bwd" and "grad/fc" in result.report["headline"]
+    assert "(sum over dp): both the reduction over dp and the division by 2 must come before" in \
+        result.report["headline"]
+
+
+def test_megatron_core_sequence_parallelism_is_proved_and_its_unmarked_norm_refuted(tmp_path):
+    """megatron-core's linears under sequence parallelism, its DistributedDataParallel and `finalize_model_grads` on
+    dp × tp; B1: a norm whose parameters lack megatron's `sequence_parallel` mark keeps each tp rank's gradient."""
+    pytest.importorskip("megatron.core", reason="the megatron extra: pip install -e '.[megatron]'")
+    plan = trace(SCRIPTS / "megatron_sp.py")
+    x = next(e for e in plan.lineage if e.tensor == "x" and e.where == (("dp", 1), ("tp", 0)))
+    assert [(dim, factors) for dim, factors in x.slice] == [(0, (Fixed(0, 2),)), (1, (Fixed(1, 2),))]
+    result = verified(plan)
+    assert result.proved, result.report.get("headline")
+    result = verified(trace(with_bug(tmp_path, "megatron_sp", "norm_unmarked")))
+    assert result.status == "refuted" and "grad/norm.weight" in result.report["headline"]
+    assert "physical is one rank's partial sum over tp" in result.report["headline"]
 
 
 def test_a_missing_backward_all_reduce_is_located(tmp_path):

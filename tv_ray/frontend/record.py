@@ -75,7 +75,9 @@ REDUCE_OPS = {"sum": "sum", "avg": "avg", "max": "max"}
 LIFTS = {aten.lift_fresh.default, aten.lift_fresh_copy.default}
 UNINITIALISED = {aten.empty.memory_format, aten.empty_strided.default, aten.new_empty_strided.default,
                  aten.new_empty.default, aten.empty_like.default}
-IN_PLACE_COLLECTIVES = {c10d_.allreduce_.default, c10d_._allgather_base_.default, c10d_._reduce_scatter_base_.default}
+FILLS = {aten.zero_.default, aten.fill_.Scalar}     # in-place ops whose result does not read the tensor
+IN_PLACE_COLLECTIVES = {c10d_.allreduce_.default, c10d_.allreduce_coalesced_.default, c10d_._allgather_base_.default,
+                        c10d_._reduce_scatter_base_.default}
 FSDP_OPS = {"fsdp::all_gather_copy_in": "_all_gather_copy_in", "fsdp::split_with_sizes_copy": "_split_with_sizes_copy",
             "fsdp::chunk_cat": "_chunk_cat"}      # FSDP2's own ops (torch.distributed.fsdp), by the handler
 
@@ -120,12 +122,13 @@ class Recorder(TorchDispatchMode):
         self.alive: list[torch.Tensor] = []             # every tensor seen, held so that no id is reused
         self.sharing: dict[int, list[torch.Tensor]] = {}  # storage address -> the tensors seen on it (`_changed`)
         self.stale: dict[int, str] = {}                  # id(tensor) -> the in-place op that made it stale
+        self.written: dict[int, list[tuple[int, int]]] = {}  # id(stale tensor) -> the bytes written since its value
         self.placeholders: dict[str, tuple[str, str]] = {}
         self.provenance: dict[str, tuple[str, str]] = {}
         self.groups: dict[str, tuple[str, ...]] = {}
         self.module: list[str] = []                     # the module path stack (forward hooks)
         self.backward_seen = False
-        self.marked: list[tuple[str, torch.fx.Node]] = []
+        self.marked: dict[str, torch.fx.Node] = {}
         self.empty: dict[int, str] = {}                  # id(tensor) -> the op that made it uninitialised
         self.sources: dict[str, str] = {}                # node -> the line of the script's code that ran it
         self.module_at: dict[str, str] = {}              # a forward line -> the module its first op ran in
@@ -184,11 +187,20 @@ class Recorder(TorchDispatchMode):
         if func in IN_PLACE_COLLECTIVES:
             self._in_place_collective(func, args)
             return out
+        if func.namespace in ("c10d", "_c10d_functional") and func not in COLLECTIVES:
+            raise CaptureError(f"{self._where()}: {func}: a collective the recorder does not know (it records "
+                               f"{', '.join(sorted(str(f) for f in (*IN_PLACE_COLLECTIVES, *COLLECTIVES)))})")
         if func._schema.name in FSDP_OPS:
             getattr(self, FSDP_OPS[func._schema.name])(func, args, kwargs, out)
             return out
         if func is aten.as_strided.default:
             self._as_strided(func, args, out)
+            return out
+        if func in FILLS:           # written whole, whatever it held (megatron's gradient buffer zeroed, a fill)
+            value = 0 if func is aten.zero_.default else args[1]
+            node = self._op(aten.full.default, (list(args[0].shape), value), {"dtype": args[0].dtype}, args[0])
+            self._changed(args[0], func)
+            self._bind(args[0], node)
             return out
         if func is aten.copy_.default and args[0].shape == args[1].shape and args[0].dtype == args[1].dtype:
             self._changed(args[0], func)           # self is overwritten whole: it holds src from now on
@@ -236,7 +248,7 @@ class Recorder(TorchDispatchMode):
         """`torch.distributed`'s in-place collectives (``dist.all_reduce(t)``: ``c10d.allreduce_``, the base all-gather
         and reduce-scatter) as their functional twins; what they write reads the new node."""
         from torch.distributed import ProcessGroup
-        if func is c10d_.allreduce_.default:
+        if func in (c10d_.allreduce_.default, c10d_.allreduce_coalesced_.default):    # each tensor all-reduced
             tensors, group, reduce_op = args[0], ProcessGroup.unbox(args[1]).group_name, _reduce_name(args[2])
             for tensor in tensors:
                 node = self._op(c10d.all_reduce.default, (tensor, reduce_op, group), {}, tensor)
@@ -303,9 +315,18 @@ class Recorder(TorchDispatchMode):
                 not 0 <= start <= base.numel() - out.numel():
             raise CaptureError(f"{self._where()}: {func} with strides {tuple(out.stride())} (only a contiguous window "
                                f"of a contiguous tensor is recorded)")
+        self._bind(out, self._window(base, out))
+
+    def _window(self, base: torch.Tensor, tensor: torch.Tensor) -> torch.fx.Node:
+        """`tensor`, contiguous on memory inside contiguous `base`'s, as `base` flattened, sliced and viewed (`base`
+        viewed alone where they cover the same memory)."""
+        start = tensor.storage_offset() - base.storage_offset()
+        if start == 0 and tensor.numel() == base.numel():
+            return self._op(aten.view.default, (base, list(tensor.shape)), {}, tensor)
         flat = self._flat(base, [-1])
-        window = self._op(aten.slice.Tensor, (flat, 0, start, start + out.numel()), {}, base.reshape(-1)[:out.numel()])
-        self._bind(out, self._op(aten.view.default, (window, list(out.shape)), {}, out))
+        window = self._op(aten.slice.Tensor, (flat, 0, start, start + tensor.numel()), {},
+                          base.reshape(-1)[:tensor.numel()])
+        return self._op(aten.view.default, (window, list(tensor.shape)), {}, tensor)
 
     def _in_place(self, func, name: str, args, kwargs) -> None:
         """An in-place op as its out-of-place twin; the tensor changed reads the new node, its aliases go stale."""
@@ -374,22 +395,52 @@ class Recorder(TorchDispatchMode):
         return self.known.get(key, (None,))[0] is not tensor and self._same_memory(tensor) is None
 
     def _same_memory(self, tensor: torch.Tensor) -> torch.fx.Node | None:
-        """`tensor` as a view of a tensor holding a value on exactly its memory (the same storage, offset, size and
-        dtype, both contiguous: FSDP's flat shard of a parameter, its unsharded parameter on the all-gather's
-        output) — its value is that tensor's, reshaped; None if there is none."""
+        """`tensor` read off the memory it lies on, where every part of it is held by a tensor with a value there
+        (the same storage and dtype, contiguous): FSDP's flat shard of a parameter, its unsharded parameter on the
+        all-gather's output, megatron-core's `main_grad` windows of its gradient buffer and the buffer itself once
+        each window was written, a `.data` alias. A tensor gone stale still holds its value where nothing wrote
+        since. The parts, each the longest such from where the last ended, are concatenated; None if some byte has
+        no holder."""
         if not tensor.is_contiguous():
             return None
-        offset, numel = tensor.storage_offset(), tensor.numel()
-        for other in reversed(self.sharing.get(_storage(tensor), ())):
+        lo, hi = _span(tensor)
+        size = tensor.element_size()
+        holders = []
+        for other in self.sharing.get(_storage(tensor), ()):
             key = id(other)
-            if other is tensor or key in self.stale or key in self.empty or not other.is_contiguous() or \
-                    (other.storage_offset(), other.numel(), other.dtype) != (offset, numel, tensor.dtype):
-                continue
-            if key in self.node or (key in self.known and self.known[key][0] is other):
-                node = self._op(aten.view.default, (other, list(tensor.shape)), {}, tensor)
-                self._bind(tensor, node)
-                return node
-        return None
+            if other.dtype == tensor.dtype and other.is_contiguous() and key not in self.empty and \
+                    (key in self.node or self.known.get(key, (None,))[0] is other and key not in self.stale):
+                holders.append((other, _span(other), self.written.get(key, []) if key in self.stale else []))
+        pieces, at = [], lo
+        while at < hi:
+            best = None
+            for other, (a, b), written in holders:
+                if not a <= at < b:
+                    continue
+                end = min([b, hi] + [w0 for w0, w1 in written if w0 > at])
+                if any(w0 <= at < w1 for w0, w1 in written):
+                    continue
+                if best is None or end > best[1]:
+                    best = (other, end, a)
+            if best is None:
+                return None
+            other, end, a = best
+            pieces.append((other, (at - a) // size, (end - at) // size))
+            at = end
+        if len(pieces) == 1 and pieces[0][1] == 0 and pieces[0][2] == pieces[0][0].numel():
+            node = self._op(aten.view.default, (self._held(pieces[0][0]), list(tensor.shape)), {}, tensor)
+        else:
+            parts = [self._op(aten.slice.Tensor, (self._op(aten.view.default, (self._held(o), [-1]), {}, o.reshape(-1)),
+                                                  0, start, start + n), {}, o.reshape(-1)[start:start + n])
+                     for o, start, n in pieces]
+            flat = parts[0] if len(parts) == 1 else self._op(aten.cat.default, (parts, 0), {}, tensor.reshape(-1))
+            node = self._op(aten.view.default, (flat, list(tensor.shape)), {}, tensor)
+        self._bind(tensor, node)
+        return node
+
+    def _held(self, tensor: torch.Tensor):
+        """The node a holder's value is (its own, stale or not), or the tensor to read (an input not read yet)."""
+        return self.node.get(id(tensor), tensor)
 
     def _bind(self, value, node: torch.fx.Node) -> None:
         """The tensor(s) `value` hold `node` (a list or tuple of tensors: one getitem each)."""
@@ -397,6 +448,7 @@ class Recorder(TorchDispatchMode):
             self._hold(value)
             self.node[id(value)] = node
             self.stale.pop(id(value), None)
+            self.written.pop(id(value), None)
             self.empty.pop(id(value), None)
         elif isinstance(value, (list, tuple)):
             for i, item in enumerate(value):
@@ -421,6 +473,7 @@ class Recorder(TorchDispatchMode):
                 lo, hi = _span(other)
                 if lo < span[1] and span[0] < hi:
                     self.stale[id(other)] = str(func)
+                    self.written.setdefault(id(other), []).append(span)
 
     def _where(self) -> str:
         return f"module {self.module[-1]!r}" if self.module and self.module[-1] else "the step"
@@ -436,12 +489,13 @@ class Recorder(TorchDispatchMode):
         return handles
 
     def mark(self, name: str, tensor: torch.Tensor) -> None:
-        """Output `name` is `tensor`'s value now (a gradient as backward made it, before clipping changed it)."""
-        self.marked.append((name, self._read(tensor, f"output {name}")))
+        """Output `name` is `tensor`'s value now (a gradient as backward made it, before clipping changed it); marked
+        again, the later value."""
+        self.marked[name] = self._read(tensor, f"output {name}")
 
     def recording(self, outputs: list[tuple[str, torch.Tensor]]) -> Recording:
         """The graph with the outputs marked, then `outputs` (name, tensor) read at their current values."""
-        ends = self.marked + [(name, self._read(tensor, f"output {name}")) for name, tensor in outputs]
+        ends = list(self.marked.items()) + [(name, self._read(tensor, f"output {name}")) for name, tensor in outputs]
         self.graph.output(tuple(node for _, node in ends))
         return Recording(torch.fx.GraphModule(torch.nn.Module(), self.graph), dict(self.placeholders),
                          [(name, node.name) for name, node in ends], dict(self.provenance), dict(self.groups),

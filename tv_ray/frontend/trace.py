@@ -45,6 +45,11 @@ def _var_mean(x, dim=None, *, correction=None, keepdim=False):
     return var, (mean if keepdim else aten.squeeze.dims(mean, dims))
 
 
+def _var_mean_unbiased(x, dim=None, unbiased=True, keepdim=False):
+    """`var_mean.dim` (layer norm's decomposition run eagerly calls it so): `_var_mean` with its correction."""
+    return _var_mean(x, dim, correction=int(unbiased), keepdim=keepdim)
+
+
 # ATen ops outside our closed op set that PyTorch can rewrite into ops inside it.
 DECOMPOSITIONS = {
     **get_decompositions([
@@ -52,6 +57,7 @@ DECOMPOSITIONS = {
         aten.silu_backward, aten.sigmoid_backward,
     ]),
     aten.var_mean.correction: _var_mean,
+    aten.var_mean.dim: _var_mean_unbiased,
 }
 
 

@@ -159,7 +159,9 @@ def _record_rank(rank: int, world_size: int, script: ModuleType, port: int) -> d
         names, sizes = zip(*script.MESH.items())
         mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
         torch.manual_seed(SEED)
-        model = script.parallelize(script.model(), mesh)
+        single = script.model()
+        names_before = {name for name, _ in single.named_parameters()}
+        model = script.parallelize(single, mesh)
         optimizer = script.optimizer(model.parameters())
         _optimizer(optimizer)
         torch.manual_seed(SEED + 1)
@@ -167,7 +169,7 @@ def _record_rank(rank: int, world_size: int, script: ModuleType, port: int) -> d
         batch = script.shard(whole, mesh) if hasattr(script, "shard") else whole
         clip = getattr(script, "CLIP", None)
         warm = _step(script, model, optimizer, batch, clip)   # warm: optimizer state, DTensor's caches
-        params = dict(model.named_parameters())
+        params = {_unwrapped(name, names_before): p for name, p in model.named_parameters()}
         states = _states(optimizer, params)
         known = {id(_local(p)): (_local(p), name, "param") for name, p in params.items()}
         known |= {id(t): (t, name, "data") for name, t in batch.items()}
@@ -179,7 +181,13 @@ def _record_rank(rank: int, world_size: int, script: ModuleType, port: int) -> d
         def made(param, name: str) -> None:      # a gradient as backward leaves it (clipping changes it after)
             grads[name] = param.grad
             recorder.mark(f"grad/{name}", _local(param.grad))
+
+        def handed(*_) -> None:     # a gradient the optimizer is handed that backward did not leave (megatron-core's
+            for name, p in params.items():     # reduced `main_grad`, set as the parameter's gradient by the step)
+                if p.grad is not None and p.grad is not grads.get(name):
+                    made(p, name)
         hooks = [p.register_post_accumulate_grad_hook(lambda p, name=name: made(p, name)) for name, p in params.items()]
+        hooks.append(optimizer.register_step_pre_hook(handed))
         hooks += recorder.watch(model)
         try:
             # anomaly mode keeps each forward op's stack: a backward op's source line is its forward op's
@@ -202,6 +210,18 @@ def _record_rank(rank: int, world_size: int, script: ModuleType, port: int) -> d
                 "batch": {name: _found(t, whole[name], name) for name, t in batch.items()}}
     finally:
         dist.destroy_process_group()
+
+
+WRAPPERS = ("module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")   # DDPs', compile's, ...
+
+
+def _unwrapped(name: str, single: set[str]) -> str:
+    """A parallel model's parameter by the single-device model's name for it: without the wrappers' segments
+    (megatron-core's and torch's DistributedDataParallel hold the model as `module`) where that is one."""
+    if name in single:
+        return name
+    bare = ".".join(part for part in name.split(".") if part not in WRAPPERS)
+    return bare if bare in single else name
 
 
 def _group_axes(mesh, names):
@@ -316,24 +336,31 @@ def _box(tensor, mesh, like=None) -> dict:
 
 
 def _found(local: torch.Tensor, whole: torch.Tensor, name: str) -> dict:
-    """A batch tensor's box in the global batch, found by value: all of it, or the one contiguous chunk along one dim
-    that equals it (two chunks equal to it — repeated rows of token ids — leave which one the rank read unknown:
-    an error, never a guess, since input lineage is assumed)."""
+    """A batch tensor's box in the global batch, found by value: all of it, or the one block of equal chunks along
+    the dims where they differ that equals it (a sequence-parallel rank's part of its data-parallel rows: two dims;
+    two blocks equal to it — repeated rows of token ids — leave which one the rank read unknown: an error, never a
+    guess, since input lineage is assumed)."""
     if local.shape == whole.shape and torch.equal(local, whole):
         return {"dims": [[0, n, n] for n in whole.shape], "partial": []}
+    split = [d for d, (n, m) in enumerate(zip(local.shape, whole.shape)) if n != m]
     found = []
-    for d, (n, m) in enumerate(zip(local.shape, whole.shape)):
-        if n != m and m % n == 0 and local.shape[:d] + local.shape[d + 1:] == whole.shape[:d] + whole.shape[d + 1:]:
-            found += [(d, k) for k in range(m // n) if torch.equal(whole.narrow(d, k * n, n), local)]
+    if local.dim() == whole.dim() and split and all(whole.shape[d] % local.shape[d] == 0 for d in split):
+        for chunks in itertools.product(*(range(whole.shape[d] // local.shape[d]) for d in split)):
+            part = whole
+            for d, k in zip(split, chunks):
+                part = part.narrow(d, k * local.shape[d], local.shape[d])
+            if torch.equal(part, local):
+                found.append(tuple(zip(split, chunks)))
     if len(found) > 1:
+        listed = [f[0] if len(f) == 1 else f for f in found]
         raise CaptureError(f"batch tensor {name!r} {tuple(local.shape)} on this rank equals {len(found)} chunks of the "
-                           f"global batch's {tuple(whole.shape)} (dim, chunk: {found}); make batch() draw distinct rows")
+                           f"global batch's {tuple(whole.shape)} (dim, chunk: {listed}); make batch() draw distinct rows")
     if not found:
         raise CaptureError(f"batch tensor {name!r} {tuple(local.shape)} on this rank is no chunk of the global batch's "
                            f"{tuple(whole.shape)}: shard() must return slices of batch()'s tensors")
-    (d, k), = found
     box = [[0, s, s] for s in whole.shape]
-    box[d] = [k * local.shape[d], local.shape[d], whole.shape[d]]
+    for d, k in found[0]:
+        box[d] = [k * local.shape[d], local.shape[d], whole.shape[d]]
     return {"dims": box, "partial": []}
 
 
