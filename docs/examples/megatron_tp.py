@@ -50,6 +50,13 @@ def model():
 
 
 def parallelize(model, mesh):
+    return megatron(model, mesh, ParallelMLP)
+
+
+def megatron(model, mesh, parallel, **options):
+    """megatron-core set up for the mesh's tp size, `parallel(config)` built (config: a TransformerConfig with
+    `options`) with `model`'s weights — a tensor-parallel parameter its shard along `partition_dim` — and wrapped in
+    megatron-core's DistributedDataParallel."""
     _megatron_on_cpu()
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -57,13 +64,16 @@ def parallelize(model, mesh):
     tp = mesh["tp"].size()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     config = TransformerConfig(num_layers=1, hidden_size=D, num_attention_heads=tp, tensor_model_parallel_size=tp,
-                               use_cpu_initialization=True, params_dtype=torch.float64, perform_initialization=True)
-    sharded = ParallelMLP(config).double()
-    rank = parallel_state.get_tensor_model_parallel_rank()
-    rows = slice(rank * H // tp, (rank + 1) * H // tp)
+                               use_cpu_initialization=True, params_dtype=torch.float64, perform_initialization=True,
+                               **options)
+    sharded = parallel(config).double()
+    rank, whole = parallel_state.get_tensor_model_parallel_rank(), dict(model.named_parameters())
     with torch.no_grad():
-        sharded.fc1.weight.copy_(model.fc1.weight[rows])
-        sharded.fc2.weight.copy_(model.fc2.weight[:, rows])
+        for name, param in sharded.named_parameters():
+            value = whole[name]
+            if getattr(param, "tensor_model_parallel", False):
+                value = value.chunk(tp, dim=param.partition_dim)[rank]
+            param.copy_(value)
     return DistributedDataParallel(config, DistributedDataParallelConfig(overlap_grad_reduce=False), module=sharded)
 
 

@@ -11,13 +11,6 @@ BUG = None
 
 
 def step(model, optimizer, batch):
-    if BUG != "no_sync":
-        return megatron_tp.step(model, optimizer, batch)
-    model.zero_grad_buffer()
-    value = loss(model, batch)
-    value.backward()
-    for param in model.parameters():
-        param.grad = param.main_grad
-    optimizer.step()
-    optimizer.zero_grad()
-    return value
+    if BUG == "no_sync":
+        model.finish_grad_sync = lambda: None       # the gradient sync left out
+    return megatron_tp.step(model, optimizer, batch)

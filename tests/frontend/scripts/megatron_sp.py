@@ -14,7 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "docs" / "examples"
 import megatron_tp  # noqa: E402
 
 MESH = {"dp": 2, "tp": 2}
-D, H, SEQ, BATCH = 4, 8, 4, 4
+D, H = megatron_tp.D, megatron_tp.H          # the sizes megatron_tp.megatron configures
+SEQ, BATCH = 4, 4
 BUG = None
 
 
@@ -55,23 +56,7 @@ def model():
 
 
 def parallelize(model, mesh):
-    megatron_tp._megatron_on_cpu()
-    from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.transformer import TransformerConfig
-    tp = mesh["tp"].size()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-    config = TransformerConfig(num_layers=1, hidden_size=D, num_attention_heads=tp, tensor_model_parallel_size=tp,
-                               sequence_parallel=True, use_cpu_initialization=True, params_dtype=torch.float64,
-                               perform_initialization=True)
-    sharded = Parallel(config).double()
-    rank = parallel_state.get_tensor_model_parallel_rank()
-    rows = slice(rank * H // tp, (rank + 1) * H // tp)
-    with torch.no_grad():
-        sharded.norm.load_state_dict(model.norm.state_dict())
-        sharded.fc1.weight.copy_(model.fc1.weight[rows])
-        sharded.fc2.weight.copy_(model.fc2.weight[:, rows])
-    return DistributedDataParallel(config, DistributedDataParallelConfig(overlap_grad_reduce=False), module=sharded)
+    return megatron_tp.megatron(model, mesh, Parallel, sequence_parallel=True)
 
 
 def optimizer(params):
