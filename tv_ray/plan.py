@@ -101,7 +101,7 @@ class Lineage:
     logical: str
     slice: tuple[tuple[int, tuple[Factor, ...]], ...] = ()
     partial: tuple[str, ...] = ()
-    scale: Fraction = Fraction(1)
+    scale: Fraction | int = 1       # an int where it is one: a frontier plan hashes millions of entries' keys
 
     def to_json(self) -> dict:
         out: dict[str, Any] = {"where": dict(self.where), "tensor": self.tensor, "logical": self.logical}
@@ -142,7 +142,7 @@ class Lineage:
                        _scale_from_json(obj.get("scale", 1), f"{path}.scale"))
 
 
-def _scale_from_json(raw: Any, path: str) -> Fraction:
+def _scale_from_json(raw: Any, path: str) -> Fraction | int:
     """A lineage scale: a positive integer or a "p/q" string."""
     try:
         if isinstance(raw, bool) or not isinstance(raw, (int, str)):
@@ -152,7 +152,7 @@ def _scale_from_json(raw: Any, path: str) -> Fraction:
         raise PlanError(f"{path}: expected a positive integer or a fraction \"p/q\", got {raw!r}") from None
     if scale <= 0:
         raise PlanError(f"{path}: expected a positive scale, got {raw!r}")
-    return scale
+    return int(scale) if scale.denominator == 1 else scale
 
 
 @lru_cache(maxsize=1 << 16)     # a frontier plan's half million entries share a few hundred slices

@@ -54,7 +54,6 @@ import tempfile
 import time
 import traceback
 from contextlib import contextmanager
-from fractions import Fraction
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -400,7 +399,7 @@ def _entry(coords: dict[str, int], tensor: str, box: dict) -> Lineage:
             cuts.append((d, (Fixed(offset // size, whole // size),)))
     where = tuple((axis, c) for axis, c in coords.items() if axis not in box["partial"])
     logical = "step" if tensor.startswith("step/") else tensor      # every parameter's step count: the one step
-    return Lineage(where, tensor, logical, tuple(cuts), tuple(box["partial"]), Fraction(box.get("scale", 1)))
+    return Lineage(where, tensor, logical, tuple(cuts), tuple(box["partial"]), box.get("scale", 1))
 
 
 def _loss_relation(mesh: dict[str, int], ranks: list[dict], loss: float) -> tuple[tuple[str, ...], int]:
