@@ -623,14 +623,14 @@ class _Matcher:
         return []
 
 
-def _scales(plan: Plan) -> list[Fraction]:
+def _scales(plan: Plan) -> list[Fraction | int]:
     """The multiples a value may be of a slice: every divisor above 1 of a scale the plan's lineage states (of
     its numerator; of its denominator, as a reciprocal) — `dp` for a rank's mean loss, the `dp / k` left of a
-    gradient pre-divided by k. None in a plan that states none."""
-    scales: set[Fraction] = set()
-    for entry in (*plan.lineage, *plan.interior):
-        for n, make in ((entry.scale.numerator, Fraction), (entry.scale.denominator, lambda d: Fraction(1, d))):
-            scales.update(make(d) for d in range(2, n + 1) if n % d == 0)
+    gradient pre-divided by k. None in a plan that states none. Ints where they are (as lineage holds them)."""
+    scales: set[Fraction | int] = set()
+    for scale in {entry.scale for entry in (*plan.lineage, *plan.interior)}:
+        scales.update(d for d in range(2, scale.numerator + 1) if scale.numerator % d == 0)
+        scales.update(Fraction(1, d) for d in range(2, scale.denominator + 1) if scale.denominator % d == 0)
     return sorted(scales, key=lambda s: (abs(s - 1), s))
 
 
