@@ -307,26 +307,11 @@ class Recorder(TorchDispatchMode):
         self._bind(target, node)
 
     def _as_strided(self, func, args, out) -> None:
-        """A contiguous window of a contiguous tensor (FSDP2's sharded gradients on the reduce-scatter's output) as
-        a slice of it, flattened, viewed; any other striding is refused."""
-        base = args[0]
-        start = out.storage_offset() - base.storage_offset()
-        if not (out.is_contiguous() and base.is_contiguous()) or _storage(out) != _storage(base) or \
-                not 0 <= start <= base.numel() - out.numel():
+        """A contiguous window of contiguous memory with a value (FSDP2's sharded gradients on the reduce-scatter's
+        output) read off that memory (`_same_memory`); any other striding is refused."""
+        if self._same_memory(out) is None:
             raise CaptureError(f"{self._where()}: {func} with strides {tuple(out.stride())} (only a contiguous window "
                                f"of a contiguous tensor is recorded)")
-        self._bind(out, self._window(base, out))
-
-    def _window(self, base: torch.Tensor, tensor: torch.Tensor) -> torch.fx.Node:
-        """`tensor`, contiguous on memory inside contiguous `base`'s, as `base` flattened, sliced and viewed (`base`
-        viewed alone where they cover the same memory)."""
-        start = tensor.storage_offset() - base.storage_offset()
-        if start == 0 and tensor.numel() == base.numel():
-            return self._op(aten.view.default, (base, list(tensor.shape)), {}, tensor)
-        flat = self._flat(base, [-1])
-        window = self._op(aten.slice.Tensor, (flat, 0, start, start + tensor.numel()), {},
-                          base.reshape(-1)[:tensor.numel()])
-        return self._op(aten.view.default, (window, list(tensor.shape)), {}, tensor)
 
     def _in_place(self, func, name: str, args, kwargs) -> None:
         """An in-place op as its out-of-place twin; the tensor changed reads the new node, its aliases go stale."""
@@ -410,16 +395,14 @@ class Recorder(TorchDispatchMode):
             key = id(other)
             if other.dtype == tensor.dtype and other.is_contiguous() and key not in self.empty and \
                     (key in self.node or self.known.get(key, (None,))[0] is other and key not in self.stale):
-                holders.append((other, _span(other), self.written.get(key, []) if key in self.stale else []))
+                holders.append((other, _span(other), self.written.get(key, [])))   # only a stale one has writes
         pieces, at = [], lo
         while at < hi:
             best = None
             for other, (a, b), written in holders:
-                if not a <= at < b:
+                if not a <= at < b or any(w0 <= at < w1 for w0, w1 in written):
                     continue
                 end = min([b, hi] + [w0 for w0, w1 in written if w0 > at])
-                if any(w0 <= at < w1 for w0, w1 in written):
-                    continue
                 if best is None or end > best[1]:
                     best = (other, end, a)
             if best is None:

@@ -219,7 +219,7 @@ def prove_with_record(lhs: Term, rhs: Term, lemmas: Iterable[tuple[Term, Term]] 
                       timeout_s: float = 10) -> tuple[Proved | Refuted | Unknown, SolveRecord]:
     """`prove`, plus what every solver answered (versions, timings, reasons) and the pysmt version."""
     lemmas = tuple(lemmas)
-    return _proof(lambda: encode(*roots_squared(lhs, rhs), lemmas), lemmas, solvers, timeout_s,
+    return _proof(lambda: encode(*_taken_out(lemmas, lhs, rhs), lemmas), lemmas, solvers, timeout_s,
                   lambda enc, winner: replay(enc, lhs, rhs, lemmas, winner))
 
 
@@ -229,7 +229,8 @@ def prove_all(equations: Iterable[tuple[Term, Term]], lemmas: Iterable[tuple[Ter
     proves one (the assumptions shown consistent — every equation's guards at once). A point where one differs is
     not replayed: Unknown, and `prove` on each names the equation and replays it. One solver call for a stage key's
     equations instead of one each: a key of 512 took 1.1 s so, 11.8 s one by one (llama3-405b, 16 layers)."""
-    equations, lemmas = tuple(roots_squared(*pair) for pair in equations), tuple(lemmas)
+    lemmas = tuple(lemmas)
+    equations = tuple(_taken_out(lemmas, *pair) for pair in equations)
     return _proof(lambda: encode_all(equations, lemmas), lemmas, solvers, timeout_s, None)[0]
 
 
@@ -268,6 +269,14 @@ def roots_squared(*roots: Term) -> tuple[Term, ...]:
                 return mul(*rest)
         return rebuild(node, args)
     return tuple(fold(root, visit, memo) for root in roots)
+
+
+def _taken_out(lemmas: tuple, *roots: Term) -> tuple[Term, ...]:
+    """`roots_squared` where the lemmas hold a square root's (`ground_lemmas` gives one for every root in the
+    equations); the terms as they are otherwise — no pass over every query's terms."""
+    if any(a.kind is Kind.MUL and _root(a.args[0]) for a, _ in lemmas):
+        return roots_squared(*roots)
+    return roots
 
 
 def _root(term: Term) -> bool:
