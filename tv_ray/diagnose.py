@@ -59,6 +59,8 @@ def _missing_reduction(outcome: Outcome, ob: Obligation, run: ConcreteRun, logic
         for subset in itertools.combinations(axes, k):
             members = tuple(sorted({m for r in ob.ranks for m in plan.group(r, ob.claim.partial + subset)}))
             total = group_value(run, members, ob.tensor)
+            if total is None:
+                total = _counterparts_summed(outcome, run, members, ob)
             if total is not None and total.shape == logical.shape and np.allclose(total, logical, rtol=1e-7,
                                                                                    atol=1e-12):
                 what = "×".join(subset)
@@ -66,6 +68,26 @@ def _missing_reduction(outcome: Outcome, ob: Obligation, run: ConcreteRun, logic
                         f"the logical value — a reduction (all-reduce / reduce-scatter) over {what} is missing "
                         f"or was applied too early")
     return None
+
+
+def _counterparts_summed(outcome: Outcome, run: ConcreteRun, members: tuple[int, ...], ob: Obligation) \
+        -> np.ndarray | None:
+    """Where the members run other programs (a pipeline's stages), the sum over them of the tensor each claims as
+    the same slice and multiple (a tied weight's gradient: each stage's own uses' part); None where one has none."""
+    claim = outcome.claims.get((ob.ranks[0], ob.tensor))
+    if claim is None:
+        return None
+    same = (claim.logical, claim.offsets, claim.shape, claim.scale)
+    values = []
+    for m in members:
+        program = outcome.plan.programs[outcome.plan.program_of(m)]
+        found = next((run.ranks[m][n.name] for n in program.nodes if n.name in run.ranks[m]
+                      and (c := outcome.claims.get((m, n.name))) is not None
+                      and (c.logical, c.offsets, c.shape, c.scale) == same), None)
+        if found is None:
+            return None
+        values.append(found)
+    return np.sum(values, axis=0)
 
 
 def _values(a: np.ndarray) -> list:

@@ -3,19 +3,26 @@ sequence parallel norms, a vocabulary-parallel embedding and output and loss_par
 (`fully_shard`) over dp, AdamW and gradient clipping — traced and verified:
 
     tv-ray trace docs/examples/dtensor_llama.py --world-size 4 -o plan.json && tv-ray verify plan.json -o out
+
+With a "pp" axis in MESH (a script that imports this one and sets MESH = {"pp": 2, "dp": 2, "tp": 2}: 8 ranks)
+the layers are split into pipeline stages as torchtitan splits them — the embedding on the first, the norm and
+output on the last, each stage's modules deleted from the others — and run by torch.distributed.pipelining's
+1F1B schedule over MICROBATCHES microbatches; clipping takes the global norm over the stages.
 """
 import math
 import torch
 import torch.nn.functional as F
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, loss_parallel, parallelize_module)
 
 MESH = {"dp": 2, "tp": 2}
 DIM, HEADS, LAYERS, VOCAB, HIDDEN = 8, 4, 2, 16, 16
-BATCH, SEQ = 4, 4
+BATCH, SEQ, MICROBATCHES = 4, 4, 2
 CLIP = 1.0
 HIGHS = {"tokens": VOCAB, "targets": VOCAB}
 
@@ -85,15 +92,15 @@ class Llama(nn.Module):
     def __init__(self):
         super().__init__()
         self.tok_embeddings = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.layers = nn.ModuleDict({str(i): Block() for i in range(LAYERS)})
         self.norm = RMSNorm(DIM)
         self.output = nn.Linear(DIM, VOCAB, bias=False)
 
-    def forward(self, tokens):
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
+    def forward(self, tokens):          # a pipeline stage holds some of the modules; the others are None
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
             h = layer(h)
-        return self.output(self.norm(h))
+        return self.output(self.norm(h)) if self.output is not None else h
 
 
 def model():
@@ -101,12 +108,14 @@ def model():
 
 
 def parallelize(model, mesh):
+    if "pp" in mesh.mesh_dim_names:
+        stage(model, mesh["pp"])
     tp = mesh["tp"]
-    parallelize_module(model, tp, {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)})
-    for block in model.layers:
+    plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
+    parallelize_module(model, tp, {name: style for name, style in plan.items() if getattr(model, name) is not None})
+    for block in model.layers.values():
         parallelize_module(block, tp, {
             "attention_norm": SequenceParallel(),
             "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
@@ -117,10 +126,31 @@ def parallelize(model, mesh):
             "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
             "feed_forward.w3": ColwiseParallel()})
     if "dp" in mesh.mesh_dim_names:         # a mesh without dp (MESH = {"tp": 2}): tensor parallelism alone
-        for block in model.layers:
+        for block in model.layers.values():
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
+    if "pp" in mesh.mesh_dim_names:
+        global SCHEDULE, PP
+        PP = mesh["pp"]
+        SCHEDULE = Schedule1F1B(PipelineStage(model, PP.get_local_rank(), PP.size(), torch.device("cpu"),
+                                              group=PP.get_group()), n_microbatches=MICROBATCHES, loss_fn=cross_entropy)
     return model
+
+
+SCHEDULE = PP = None        # with pp: this rank's pipeline schedule and the pipeline's mesh
+
+
+def stage(model, pp):
+    """This rank's pipeline stage: its share of the layers (in order), the embedding on the first stage, the norm
+    and output on the last; the other modules deleted."""
+    s, stages = pp.get_local_rank(), pp.size()
+    for k in list(model.layers):
+        if int(k) * stages // LAYERS != s:
+            del model.layers[k]
+    if s != 0:
+        model.tok_embeddings = None
+    if s != stages - 1:
+        model.norm = model.output = None
 
 
 def optimizer(params):
@@ -132,24 +162,53 @@ def batch():
 
 
 def shard(batch, mesh):
-    """This rank's rows of the batch: its data-parallel rank's share (every tensor-parallel rank reads them)."""
-    if "dp" not in mesh.mesh_dim_names:
-        return batch
-    rank, size = mesh["dp"].get_local_rank(), mesh["dp"].size()
-    return {name: tensor.chunk(size)[rank] for name, tensor in batch.items()}
+    """This rank's rows of the batch: its data-parallel rank's share (every tensor-parallel rank reads them); with
+    pp, the first stage reads the tokens and the last the targets."""
+    if "dp" in mesh.mesh_dim_names:
+        rank, size = mesh["dp"].get_local_rank(), mesh["dp"].size()
+        batch = {name: tensor.chunk(size)[rank] for name, tensor in batch.items()}
+    if "pp" in mesh.mesh_dim_names:
+        s, stages = mesh["pp"].get_local_rank(), mesh["pp"].size()
+        batch = {name: t for name, t in batch.items() if (name == "tokens" and s == 0) or
+                 (name == "targets" and s == stages - 1)}
+    return batch
+
+
+def cross_entropy(pred, targets):
+    return F.cross_entropy(pred.flatten(0, 1), targets.flatten(0, 1))
 
 
 def loss(model, batch):
-    pred = model(batch["tokens"])
-    return F.cross_entropy(pred.flatten(0, 1), batch["targets"].flatten(0, 1))
+    return cross_entropy(model(batch["tokens"]), batch["targets"])
 
 
 def step(model, optimizer, batch):
-    """The training step as torchtitan runs it: the loss and its backward under loss_parallel, clipping, AdamW."""
+    """The training step as torchtitan runs it: the loss and its backward under loss_parallel (with pp: the
+    pipeline schedule's microbatches, the last stage's losses averaged), clipping, AdamW."""
     with loss_parallel():
-        value = loss(model, batch)
-        value.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        if SCHEDULE is None:
+            value = loss(model, batch)
+            value.backward()
+        else:
+            losses = []
+            first = (batch["tokens"],) if "tokens" in batch else ()
+            SCHEDULE.step(*first, target=batch.get("targets"), losses=losses)
+            value = torch.stack([x.full_tensor() if isinstance(x, DTensor) else x for x in losses]).mean() \
+                if losses else None
+    clip(model)
     optimizer.step()
     optimizer.zero_grad()
     return value
+
+
+def clip(model):
+    """clip_grad_norm_ over every stage's gradients: each stage's norm, squared, summed over the pipeline (as
+    torchtitan's clip_grad_norm_ takes it)."""
+    params = list(model.parameters())
+    total = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    if PP is not None:
+        total = total.full_tensor() if isinstance(total, DTensor) else total
+        total = total ** 2
+        dist.all_reduce(total, group=PP.get_group())
+        total = total ** 0.5
+    torch.nn.utils.clip_grads_with_norm_(params, CLIP, total)

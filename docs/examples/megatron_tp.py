@@ -95,11 +95,11 @@ def loss(model, batch):
     return (model(batch["x"]) - batch["y"]).pow(2).mean()
 
 
-def step(model, optimizer, batch):
-    """Megatron's training step: the gradient buffer zeroed, forward and backward, the gradients all-reduced over dp
-    (`finish_grad_sync`), the reduced `main_grad` handed to the optimizer."""
+def step(model, optimizer, batch, loss_of=loss):
+    """Megatron's training step: the gradient buffer zeroed, forward and backward (of `loss_of(model, batch)`), the
+    gradients all-reduced over dp (`finish_grad_sync`), the reduced `main_grad` handed to the optimizer."""
     model.zero_grad_buffer()
-    value = loss(model, batch)
+    value = loss_of(model, batch)
     value.backward()
     model.finish_grad_sync()
     for param in model.parameters():

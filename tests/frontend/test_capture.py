@@ -1,4 +1,5 @@
 """capture: ATen joint graphs -> logical graphs with symbolic shapes, checked against torch."""
+import numpy as np
 import pytest
 import torch
 
@@ -7,6 +8,7 @@ from tv_ray.errors import CaptureError
 from tv_ray.frontend import capture, instantiate
 from tv_ray.frontend.capture import capture_spec_at
 from tv_ray.ir import Expr, Op
+from tv_ray.semantics.interpret import run_graph
 
 from .captures import symbolic
 
@@ -157,3 +159,30 @@ class _MSE(torch.nn.Module):
 
     def forward(self, x, y):
         return ((self.inner(x) - y) ** 2).mean()
+
+
+class _Tied(torch.nn.Module):
+    """An output layer tied to the input embedding: one parameter under two paths."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(6, 4)
+        self.head = torch.nn.Linear(4, 6, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens, targets):
+        return torch.nn.functional.cross_entropy(self.head(torch.tanh(self.embed(tokens))), targets)
+
+
+def test_a_tied_parameter_is_one_input_whose_gradient_sums_its_uses():
+    """Traced as two inputs each with its own uses' gradient, a tied weight's step would be two copies drifting
+    apart (B21 proved by accident): it is one input, its gradient the sum."""
+    module = _Tied().double()
+    tokens, targets = torch.randint(0, 6, (5,)), torch.randint(0, 6, (5,))
+    graph = capture(module, (tokens, targets), int_highs={"tokens": 6, "targets": 6})
+    assert [s.name for s in graph.inputs if s.role == "param"] == ["embed.weight"]
+    assert [o for o, _ in graph.outputs] == ["loss", "grad/embed.weight"]
+    module(tokens, targets).backward()
+    got = run_graph(graph, {}, {"embed.weight": module.embed.weight.detach().numpy(), "tokens": tokens.numpy(),
+                                "targets": targets.numpy()})
+    assert np.allclose(got["grad/embed.weight"], module.embed.weight.grad.numpy(), rtol=0, atol=1e-12)

@@ -71,14 +71,25 @@ def test_a_value_read_into_python_is_refused():
                               "would hold it as a constant")
 
 
-def test_a_view_read_after_its_base_changed_is_refused():
+def test_a_view_read_after_its_base_changed_reads_the_new_value_or_is_refused():
+    """A view that is its base's memory with the dims permuted (a transpose) reads the base's new value, as torch's
+    does; one that is no such view (every other column) is refused."""
+    x = torch.randn(2, 3, dtype=torch.float64)
+
     def step(recorder, x):
         view = x.t()
         x.add_(1.0)
         return {"y": view * 2}
+    program, outputs = recorded(step, {"x": x.clone()})
+    assert np.allclose(run(program, {"x": x})["y"], outputs["y"].numpy(), rtol=0, atol=1e-12)
+
+    def strided(recorder, x):
+        view = x[:, ::2]
+        x.add_(1.0)
+        return {"y": view * 2}
     with pytest.raises(CaptureError) as err:
-        recorded(step, {"x": torch.ones(2, 3)})
-    assert str(err.value) == ("the step: aten.mul.Tensor reads a tensor (3, 2) after aten.add_.Tensor changed memory it "
+        recorded(strided, {"x": torch.ones(2, 3)})
+    assert str(err.value) == ("the step: aten.mul.Tensor reads a tensor (2, 2) after aten.add_.Tensor changed memory it "
                               "shares; a program cannot hold that aliasing")
 
 
@@ -92,7 +103,8 @@ def test_an_uninitialised_tensor_read_is_refused():
 def test_memory_written_through_views_reads_back():
     """FSDP2's and megatron-core's patterns: a buffer written whole through a view of it reads as that view's value;
     windows of one buffer (`as_strided`) changed one by one leave the others readable, and the buffer reads as its
-    windows' values where they were written, its own elsewhere; a strided window is refused."""
+    windows' values where they were written, its own elsewhere; a transposed window is read so, a strided one
+    refused."""
     x = torch.randn(2, 4, dtype=torch.float64)
 
     def step(recorder, x):
@@ -115,7 +127,48 @@ def test_memory_written_through_views_reads_back():
         return {"flat": buffer * 1.0}
     program, _ = recorded(rebuilt, {"x": x.clone()})
     assert np.array_equal(run(program, {"x": x})["flat"], np.concatenate([2 * x[0].numpy(), x[1].numpy()]))
+    program, _ = recorded(lambda recorder, x: {"y": torch.as_strided(x, (2, 2), (1, 2)) * 1.0}, {"x": x.clone()})
+    assert np.array_equal(run(program, {"x": x})["y"], x.reshape(-1)[:4].reshape(2, 2).t().numpy())   # transposed
     with pytest.raises(CaptureError) as err:
-        recorded(lambda recorder, x: {"y": torch.as_strided(x, (2, 2), (1, 2)) * 1.0}, {"x": x.clone()})
-    assert str(err.value) == ("the step: aten.as_strided.default with strides (1, 2) (only a contiguous window of a "
-                              "contiguous tensor is recorded)")
+        recorded(lambda recorder, x: {"y": torch.as_strided(x, (2, 2), (4, 2)) * 1.0}, {"x": x.clone()})
+    assert str(err.value) == ("the step: aten.as_strided.default with strides (4, 2) (only a window of contiguous "
+                              "memory, or one with its dims permuted, is recorded)")
+
+
+def test_sends_and_receives_are_recorded_with_their_peer_along_the_mesh_axis():
+    """Point-to-point (a pipeline's activations and gradients): a send of the value as issued, a receive that writes
+    its buffer whole, the peer a step along the axis the process group spans; the fake process group (one process)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        x = torch.randn(3, dtype=torch.float64)
+        recorder = Recorder({id(x): (x, "x", "data")}, lambda group: ("pp",))
+        with recorder:
+            dist.send(x * 2, dst=1, tag=3)
+            buffer = torch.empty(3, dtype=torch.float64)
+            dist.recv(buffer, src=1)
+            out = buffer + 1
+        program = RankConverter(recorder.recording([("out", out)])).run()
+    finally:
+        dist.destroy_process_group()
+    ops = [(n.op.value, n.args, dict(n.attr)) for n in program.nodes]
+    assert ops[1] == ("send", ("mul_tensor",), {"peer": (("pp", 1),), "tag": 3})
+    assert ops[2][0] == "recv" and ops[2][2]["peer"] == (("pp", 1),) and ops[2][2]["tag"] == 0
+    assert ops[3] == ("add", (program.nodes[2].name,), {"other": 1.0})
+
+
+def test_a_transposed_tensor_is_read_off_the_memory_it_lies_on():
+    """A permuted view of memory a tensor holds (a transposed weight autograd saved, read after FSDP2 wrote its
+    storage again) reads as that tensor permuted back; staleness is by storage, not address (memory freed and
+    reused shares nothing)."""
+    w = torch.randn(2, 3, dtype=torch.float64)
+
+    def step(recorder, w):
+        buffer = torch.empty(6, dtype=w.dtype)
+        view = buffer.view(2, 3)
+        transposed = view.t()
+        view.copy_(w)                  # written whole after the transposed view was made: the view is stale
+        return {"y": transposed * 1.0}
+    program, outputs = recorded(step, {"w": w.clone()})
+    assert np.array_equal(run(program, {"w": w})["y"], w.numpy().T)

@@ -67,6 +67,19 @@ def test_torchtitan_style_llama_is_proved_and_checked(tmp_path):
     assert report.different_method == report.unique == result.outcome.counts()["unique"]
 
 
+def test_torchtitan_style_llama_pipelined_on_eight_ranks_is_proved(tmp_path):
+    """Issue (a) on 8 ranks: the same Llama split into two pipeline stages (torch.distributed.pipelining, 1F1B, two
+    microbatches) × FSDP2 over dp × tensor parallel, its clipping norm summed over the stages."""
+    script = tmp_path / "dtensor_llama_pp.py"
+    script.write_text(f"import sys\nsys.path.insert(0, {str(DTENSOR_LLAMA.parent)!r})\n"
+                      f"from dtensor_llama import *  # noqa\nMESH = {{'pp': 2, 'dp': 2, 'tp': 2}}\n")
+    plan = trace(script)
+    assert plan.num_ranks == 8 and len(plan.programs) == 4     # a program per stage and tp rank; dp ranks share
+    assert {e.scale for e in plan.interior} == {2}       # each gradient as the last microbatch left it: twice the step's
+    result = verified(plan)
+    assert result.proved, result.report.get("headline")
+
+
 def test_fsdp2_data_parallel_mlp_with_adamw_is_proved():
     """FSDP2 divides each gradient by dp before its reduce-scatter: until then every backward value is dp times a
     slice of the logical one (a scaled claim), each weight gradient a partial sum of dp times the logical one."""
@@ -160,6 +173,45 @@ def test_megatron_core_sequence_parallelism_is_proved_and_its_unmarked_norm_refu
     result = verified(trace(with_bug(tmp_path, "megatron_sp", "norm_unmarked")))
     assert result.status == "refuted" and "grad/norm.weight" in result.report["headline"]
     assert "physical is one rank's partial sum over tp" in result.report["headline"]
+
+
+def test_a_pipeline_with_tied_embeddings_is_proved_and_its_unsynced_copies_refuted(tmp_path):
+    """torch.distributed.pipelining's 1F1B schedule over two stages and two microbatches: its sends and receives,
+    its division of the gradients by the microbatches, and the tied embedding's gradient all-reduced over the first
+    and last stage. B21: that all-reduce skipped, each stage's copy takes its own uses' part of the gradient; and
+    the schedule's division switched off."""
+    plan = trace(SCRIPTS / "pipeline_tied.py")
+    p2p = {(n.op.value, dict(n.attr["peer"])["pp"]) for g in plan.programs.values() for n in g.nodes
+           if n.op.value in ("send", "recv")}
+    assert p2p == {("send", 1), ("recv", 1), ("send", -1), ("recv", -1)}
+    result = verified(plan)
+    assert result.proved, result.report.get("headline")
+    result = verified(trace(with_bug(tmp_path, "pipeline_tied", "tie_unsynced")))
+    assert result.status == "refuted" and "(grad/tok_embeddings.weight)" in result.report["headline"]
+    assert "physical is one rank's partial sum over pp" in result.report["headline"]
+    result = verified(trace(with_bug(tmp_path, "pipeline_tied", "unscaled")))
+    assert result.status == "refuted" and result.report["stage"]["phase"] == "bwd"
+    assert "physical = 2 × logical: a sum where a mean was meant" in result.report["headline"]
+
+
+def test_megatron_core_vocabulary_parallel_layers_are_proved_and_gathered_logits_refuted(tmp_path):
+    """megatron-core's VocabParallelEmbedding, linears and vocab_parallel_cross_entropy (its own backward; logits
+    upcast with `.float()`) under its DistributedDataParallel on dp × tp. B19: the output layer gathers the logits
+    the loss takes as this rank's part of the vocabulary — the loss comes out as the right one plus log(tp)."""
+    pytest.importorskip("megatron.core", reason="the megatron extra: pip install -e '.[megatron]'")
+    plan = trace(ROOT / "docs" / "examples" / "megatron_lm.py")
+    reduces = {(n.op.value, n.attr.get("reduce")) for n in plan.programs["rank0"].nodes if n.op.value == "all_reduce"}
+    assert reduces == {("all_reduce", "sum"), ("all_reduce", "max")}     # the logits' maximum over tp
+    result = verified(plan)
+    assert result.proved, result.report.get("headline")
+    result = tv_ray.verify(trace(with_bug(tmp_path, "megatron_vocab", "gathered_logits")), engine="local",
+                           progress=False, timeout=0.5)
+    assert result.status == "refuted"
+    stage = result.report["stage"]
+    assert stage["phase"] == "fwd" and "(loss)" in result.report["headline"]
+    assert stage["source"].endswith("megatron_lm.py:" + str(next(
+        i for i, line in enumerate((ROOT / "docs" / "examples" / "megatron_lm.py").read_text().splitlines(), 1)
+        if "vocab_parallel_cross_entropy(model(" in line)))
 
 
 def test_a_missing_backward_all_reduce_is_located(tmp_path):

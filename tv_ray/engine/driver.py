@@ -121,6 +121,8 @@ def verify_plan(plan: Plan, *, budget: Budget = Budget(), executor: Executor | N
             wrong += [o for _, o in part.microbatch_copies() if o.key in refuted and not o.claim.boundary]
         if derivation.deviations:       # a bug: what the lineage states stays, to show where it enters
             wrong = [o for o in wrong if not o.claim.given]
+        else:                           # no output wrong: a partial sum a refuted stage reads may hold yet forget
+            wrong += _partials_read(part, refuted)      # how it is split (each part zero where it is masked)
         if not wrong:
             break
         derivation.drop((rank, ob.tensor) for ob in wrong for rank in ob.ranks)
@@ -133,6 +135,16 @@ def verify_plan(plan: Plan, *, budget: Budget = Budget(), executor: Executor | N
     return Outcome(plan, derivation.reduction, part, derivation.runs, derivation.claims,
                    {k: verdicts[k] for k in keys}, problems, dict(phases), _name(executor),
                    sorted(derivation.dropped), derivation.deviations, resumed=len(loaded & keys))
+
+
+def _partials_read(part, refuted: set[str]) -> list:
+    """The inferred partial-sum claims that refuted stages read: a group's sum cut as free parts holds whatever
+    each member's part is, so a stage that needs what a part is (a vocabulary-parallel rank's gradient, zero at
+    the tokens outside its shard) is refuted there though nothing is wrong. Dropped, the stages are cut again."""
+    by_id = {o.id: o for o in part.obligations}
+    read = {part.representative(src) for o in part.obligations if o.key in refuted for src in o.reads}
+    return [by_id[i] for i in read if i in by_id and by_id[i].claim.partial and not by_id[i].claim.boundary
+            and not by_id[i].claim.given]
 
 
 __all__ = ["verify_plan"]

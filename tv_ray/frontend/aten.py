@@ -8,6 +8,8 @@ the module that ran it.
 """
 from __future__ import annotations
 
+import functools
+
 import operator
 from typing import Any, Callable
 
@@ -61,11 +63,19 @@ class Converter:
         node = self.fx
         val = node.meta["val"] if val is None else val
         name = node.name + suffix
+        while suffix and name in self._taken:       # a part's name that an FX node has (stack_1's part 1 of stack)
+            name += "_"
+        self._taken.add(name)
         self.nodes.append(Node.make(name, op, args, attrs or {}, tuple(int(s) for s in val.shape),
                                     dtype_name(val.dtype, name), self._meta(node)))
         if not suffix:
             self.names[node.name] = name
         return name
+
+    @functools.cached_property
+    def _taken(self) -> set[str]:
+        """The names in use: every FX node's, and each emitted part's."""
+        return {node.name for node in self.joint.gm.graph.nodes}
 
     def _meta(self, node: torch.fx.Node) -> dict:
         """An IR node's provenance: its module path (or its parameter's module) and phase."""
@@ -447,6 +457,28 @@ def _index_put(cv: Converter, x, indices, values, accumulate=False):
                    f"accumulated, is supported")
 
 
+def _max_dim(cv: Converter, x, dim, keepdim=False):
+    """max along a dim: its values (amax); its indices have no IR op (an error where they are read)."""
+    values = cv.emit(Op.AMAX, [cv.arg(x)], {"dims": [_dim(cv, x, dim)], "keepdim": bool(keepdim)}, suffix="_values",
+                     val=cv.fx.meta["val"][0])
+    cv.alias((values, None))
+
+
+def _index(cv: Converter, x, indices):
+    """x[arange(n), cols] on an (n, m) x (a vocabulary-parallel loss reading each row's target logit): a gather
+    along dim 1."""
+    kinds = [None if i is None else i.meta["val"].dtype for i in indices]
+    if kinds == [torch.int64, torch.int64] and cv.rank(x) == 2 and _is_arange(indices[0]) and \
+            tuple(indices[0].meta["val"].shape) == (x.meta["val"].shape[0],) == tuple(indices[1].meta["val"].shape):
+        n = x.meta["val"].shape[0]
+        cols = cv.emit(Op.UNSQUEEZE, [cv.arg(indices[1])], {"dim": 1}, suffix="_cols", val=_Val((n, 1), torch.int64))
+        picked = cv.emit(Op.GATHER, [cv.arg(x), cols], {"dim": 1}, suffix="_picked",
+                         val=_Val((n, 1), x.meta["val"].dtype))
+        return cv.emit(Op.SQUEEZE, [picked], {"dim": 1})
+    raise cv.error(f"index with indices {[None if k is None else str(k) for k in kinds]}: only (arange, columns) on a "
+                   f"matrix is supported")
+
+
 def _is_arange(node) -> bool:
     """Is the FX node arange(n) from 0 by 1 (through aliases)?"""
     while node.target in (aten.detach.default, aten.alias.default):
@@ -505,6 +537,7 @@ CONVERTERS: dict[Any, Callable] = {
     aten.detach.default: _drop,
     aten.alias.default: _drop,
     aten.lift_fresh_copy.default: _drop,
+    aten.conj_physical.default: _drop,          # the identity on a real tensor (the IR has no complex dtype)
     aten.to.dtype: _to,
     aten.to.device: _to,
     aten.to.dtype_layout: _to,
@@ -515,6 +548,8 @@ CONVERTERS: dict[Any, Callable] = {
     aten.arange.start: _arange,
     aten.arange.start_step: _arange,
     aten.full.default: _full,
+    aten.zeros.default: lambda cv, size, **kwargs: _full(cv, size, 0.0),
+    aten.ones.default: lambda cv, size, **kwargs: _full(cv, size, 1.0),
     aten.ones_like.default: _full_like(1.0),
     aten.zeros_like.default: _full_like(0.0),
     aten.full_like.default: _full_like(None),
@@ -581,6 +616,8 @@ CONVERTERS: dict[Any, Callable] = {
     aten.mean.dim: _reduce(Op.MEAN),
     aten.mean.default: _reduce(Op.MEAN),
     aten.amax.default: _reduce(Op.AMAX),
+    aten.max.dim: _max_dim,
+    aten.index.Tensor: _index,
     aten.linalg_vector_norm.default: _vector_norm,
     # softmax and loss
     aten._softmax.default: _with_dim(Op.SOFTMAX),

@@ -20,6 +20,9 @@ as it is recorded:
   axes; ``wait_tensor`` and ``_wrap_tensor_autograd`` are aliases; what a
   backend runs while a collective is waited for (`Work.wait`) is not recorded:
   the collective was, when issued;
+- a send (``c10d.send``) and a receive (``c10d.recv_``: its buffer written
+  whole) become the plan's send and recv, the peer a step along the one mesh
+  axis the process group spans (a pipeline's activations and gradients);
 - FSDP2's own ops are recorded as what they compute: ``all_gather_copy_in``
   (the shards concatenated into this rank's slice of the all-gather buffer),
   ``split_with_sizes_copy`` (the gathered buffer into the unsharded
@@ -30,7 +33,10 @@ as it is recorded:
   value reshaped: FSDP2's flat shard of a parameter, its unsharded parameter;
   a view of memory with no value yet (a buffer re-allocated outside the step)
   has none until an op writes it whole; writing one window of a buffer leaves
-  the windows that do not overlap it readable.
+  the windows that do not overlap it readable; a view with its dims permuted
+  (a transposed weight autograd saved, its memory written again by FSDP2) is
+  read off the memory and permuted back. Memory is a storage, not an address
+  (an address freed is reused by tensors that share nothing).
 
 A tensor the step reads that no recorded op made is a program input: a
 parameter's local shard, an optimizer state, a batch tensor (named by the
@@ -59,7 +65,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from tv_ray.errors import CaptureError
 from tv_ray.frontend.aten import CONVERTERS, Converter, dtype_name
 from tv_ray.frontend.trace import DECOMPOSITIONS
-from tv_ray.ir import Expr, Graph, Op, TensorSpec
+from tv_ray.ir import Expr, Graph, Node, Op, TensorSpec
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -78,6 +84,7 @@ UNINITIALISED = {aten.empty.memory_format, aten.empty_strided.default, aten.new_
 FILLS = {aten.zero_.default, aten.fill_.Scalar}     # in-place ops whose result does not read the tensor
 IN_PLACE_COLLECTIVES = {c10d_.allreduce_.default, c10d_.allreduce_coalesced_.default, c10d_._allgather_base_.default,
                         c10d_._reduce_scatter_base_.default}
+P2P = {c10d_.send.default, c10d_.recv_.default}       # torch.distributed's send and (i)recv: point to point
 FSDP_OPS = {"fsdp::all_gather_copy_in": "_all_gather_copy_in", "fsdp::split_with_sizes_copy": "_split_with_sizes_copy",
             "fsdp::chunk_cat": "_chunk_cat"}      # FSDP2's own ops (torch.distributed.fsdp), by the handler
 
@@ -187,9 +194,12 @@ class Recorder(TorchDispatchMode):
         if func in IN_PLACE_COLLECTIVES:
             self._in_place_collective(func, args)
             return out
+        if func in P2P:
+            self._p2p(func, args)
+            return out
         if func.namespace in ("c10d", "_c10d_functional") and func not in COLLECTIVES:
             raise CaptureError(f"{self._where()}: {func}: a collective the recorder does not know (it records "
-                               f"{', '.join(sorted(str(f) for f in (*IN_PLACE_COLLECTIVES, *COLLECTIVES)))})")
+                               f"{', '.join(sorted(str(f) for f in (*IN_PLACE_COLLECTIVES, *COLLECTIVES, *P2P)))})")
         if func._schema.name in FSDP_OPS:
             getattr(self, FSDP_OPS[func._schema.name])(func, args, kwargs, out)
             return out
@@ -264,6 +274,25 @@ class Recorder(TorchDispatchMode):
         self._changed(output, func)
         self._bind(output, node)
 
+    def _p2p(self, func, args) -> None:
+        """A send (each tensor's value as it is issued) or a receive (each tensor written whole by it), its peer a
+        step along the one mesh axis its process group spans (`send`, `recv`). Recorded when issued: a received
+        tensor read before its wait would hold no value, which the recorder cannot see."""
+        from torch.distributed import ProcessGroup
+        tensors, group, peer, tag = args[0], ProcessGroup.unbox(args[1]), int(args[2]), int(args[3])
+        axes = self.axes(group.group_name)
+        if axes is None or len(axes) != 1:
+            raise CaptureError(f"{self._where()}: {func} on process group {group.group_name!r}, whose ranks are no "
+                               f"group along one axis of the device mesh")
+        where = (axes[0], peer - group.rank(), tag)
+        for tensor in tensors:
+            if func is c10d_.send.default:
+                self._op(send, (tensor, *where), {}, tensor)
+            else:
+                node = self._op(recv, where, {}, tensor)
+                self._changed(tensor, func)
+                self._bind(tensor, node)
+
     def _flat(self, tensor: torch.Tensor, shape: list[int]) -> torch.fx.Node:
         return self._op(aten.view.default, (tensor, shape), {}, tensor.reshape(shape))
 
@@ -307,18 +336,22 @@ class Recorder(TorchDispatchMode):
         self._bind(target, node)
 
     def _as_strided(self, func, args, out) -> None:
-        """A contiguous window of contiguous memory with a value (FSDP2's sharded gradients on the reduce-scatter's
-        output) read off that memory (`_same_memory`); any other striding is refused."""
+        """A window of contiguous memory with a value (FSDP2's sharded gradients on the reduce-scatter's output), its
+        dims in order or permuted, read off that memory (`_same_memory`); any other striding is refused."""
         if self._same_memory(out) is None:
-            raise CaptureError(f"{self._where()}: {func} with strides {tuple(out.stride())} (only a contiguous window "
-                               f"of a contiguous tensor is recorded)")
+            raise CaptureError(f"{self._where()}: {func} with strides {tuple(out.stride())} (only a window of "
+                               f"contiguous memory, or one with its dims permuted, is recorded)")
 
     def _in_place(self, func, name: str, args, kwargs) -> None:
-        """An in-place op as its out-of-place twin; the tensor changed reads the new node, its aliases go stale."""
-        functional = FUNCTIONAL.get(func) or _overload(name.rstrip("_"), func._overloadname)
+        """An in-place op (or one writing its `out=` tensor: ``torch.exp(x, out=y)``) as its out-of-place twin; the
+        tensor changed reads the new node, its aliases go stale."""
+        if func._overloadname == "out" and isinstance(kwargs.get("out"), torch.Tensor):
+            functional, target = _overload(name, "default"), kwargs["out"]
+            kwargs = {k: v for k, v in kwargs.items() if k != "out"}
+        else:
+            functional, target = FUNCTIONAL.get(func) or _overload(name.rstrip("_"), func._overloadname), args[0]
         if functional is None:
             raise CaptureError(f"{self._where()}: in-place {func} has no out-of-place twin to record it as")
-        target = args[0]
         node = self._op(functional, args, kwargs, target)
         self._changed(target, func)
         self._bind(target, node)
@@ -385,16 +418,25 @@ class Recorder(TorchDispatchMode):
         all-gather's output, megatron-core's `main_grad` windows of its gradient buffer and the buffer itself once
         each window was written, a `.data` alias. A tensor gone stale still holds its value where nothing wrote
         since. The parts, each the longest such from where the last ended, are concatenated; None if some byte has
-        no holder."""
+        no holder. A tensor whose dims are a dense tensor's permuted (a transposed weight autograd saved) is that
+        tensor read so, permuted back."""
         if not tensor.is_contiguous():
-            return None
+            order = sorted(range(tensor.dim()), key=lambda d: -tensor.stride(d))
+            dense = tensor.permute(order)
+            if not dense.is_contiguous() or self._same_memory(dense) is None:
+                return None
+            node = self._op(aten.permute.default, (dense, sorted(range(tensor.dim()), key=order.__getitem__)), {},
+                            tensor)
+            self._bind(tensor, node)
+            return node
         lo, hi = _span(tensor)
         size = tensor.element_size()
         holders = []
         for other in self.sharing.get(_storage(tensor), ()):
             key = id(other)
             if other.dtype == tensor.dtype and other.is_contiguous() and key not in self.empty and \
-                    (key in self.node or self.known.get(key, (None,))[0] is other and key not in self.stale):
+                    (key in self.node or self.known.get(key, (None,))[0] is other and key not in self.stale) and \
+                    other.untyped_storage().nbytes() >= _span(other)[1]:      # not freed since (FSDP2 frees its own)
                 holders.append((other, _span(other), self.written.get(key, [])))   # only a stale one has writes
         pieces, at = [], lo
         while at < hi:
@@ -471,6 +513,10 @@ class Recorder(TorchDispatchMode):
                 handles.append(sub.register_forward_hook(lambda _m, _a, _o: self.module.pop() and None))
         return handles
 
+    def holding(self, tensor: torch.Tensor) -> torch.fx.Node:
+        """The node holding `tensor`'s value now."""
+        return self._read(tensor, "a value the caller reads")
+
     def mark(self, name: str, tensor: torch.Tensor) -> None:
         """Output `name` is `tensor`'s value now (a gradient as backward made it, before clipping changed it); marked
         again, the later value."""
@@ -502,6 +548,26 @@ def _reduce_scatter(cv: Converter, x, reduce_op: str, _size: int, group: str):
                                                     "reduce": REDUCE_OPS[reduce_op]})
 
 
+def send(x: torch.Tensor, axis: str, step: int, tag: int) -> None:
+    """The recorded graph's send: `x` to the rank `step` along mesh `axis` (an FX target; nothing runs it)."""
+
+
+def recv(axis: str, step: int, tag: int) -> torch.Tensor:
+    """The recorded graph's receive: from the rank `step` along mesh `axis` (an FX target; nothing runs it)."""
+
+
+def _send(cv: Converter, x, axis: str, step: int, tag: int):
+    node = cv.fx
+    cv.nodes.append(Node.make(node.name, Op.SEND, [cv.arg(x)], {"peer": {axis: step}, "tag": tag}, (), "token",
+                              cv._meta(node)))
+
+
+def _recv(cv: Converter, axis: str, step: int, tag: int):
+    val = cv.fx.meta["val"]
+    return cv.emit(Op.RECV, [], {"peer": {axis: step}, "tag": tag, "size": [int(s) for s in val.shape],
+                                 "dtype": dtype_name(val.dtype, cv.fx.name)})
+
+
 COLLECTIVES: dict[Any, Callable] = {
     c10d.all_reduce.default: _all_reduce,
     c10d.all_gather_into_tensor.default: _all_gather,
@@ -512,7 +578,7 @@ COLLECTIVES: dict[Any, Callable] = {
 class RankConverter(Converter):
     """`Converter` for a `Recording`: its inputs by role, its outputs as recorded, and the collectives."""
 
-    converters = {**CONVERTERS, **COLLECTIVES}
+    converters = {**CONVERTERS, **COLLECTIVES, send: _send, recv: _recv}
 
     def run(self) -> Graph:
         return Graph(tuple(self._walk()), tuple(self.nodes), tuple(self._outputs()), name="rank")
@@ -589,8 +655,11 @@ def _fake(args, kwargs, out) -> bool:
 
 
 def _storage(tensor: torch.Tensor):
+    """The storage a tensor lies on, by identity (not by address: memory freed — FSDP2 frees its unsharded
+    parameters' — is reused by tensors that share nothing with the ones that had it; every tensor seen is held,
+    so no storage is freed while recording)."""
     try:
-        return tensor.untyped_storage().data_ptr()
+        return tensor.untyped_storage()._cdata
     except (RuntimeError, NotImplementedError):
         return None
 

@@ -159,10 +159,39 @@ def _joint(graph: torch.fx.GraphModule, wrapper: torch.nn.Module, arg_names: lis
         if param.requires_grad:
             if grad is None:
                 raise CaptureError(f"parameter {path} receives no gradient from the loss")
-            grads[path] = grad.name
-    return Joint(gm=graph, params={node.name: path for node, (path, _) in zip(placeholders, params)},
+            grads[path] = grad
+    tied = _untie(graph, placeholders, params, grads)
+    return Joint(gm=graph, params={node.name: path for node, (path, _) in zip(placeholders, params)
+                                   if path not in tied},
                  user_inputs={node.name: name for node, name in zip(args, arg_names)}, loss=outputs[0].name,
-                 grads=grads, provenance=_provenance(graph))
+                 grads={path: grad.name for path, grad in grads.items() if path not in tied},
+                 provenance=_provenance(graph))
+
+
+def _untie(graph: torch.fx.GraphModule, placeholders, params, grads: dict) -> set[str]:
+    """A parameter held under several paths (tied: the output layer's weight the input embedding's) traced as one
+    input per path, each path's gradient only its own uses' — the step of untied copies. Every later path's
+    placeholder is replaced by the first's and its gradient added into the first's (one parameter, one gradient:
+    the sum over its uses). Returns the later paths, which name no input or gradient from then on."""
+    first: dict[int, str] = {}
+    nodes = {path: node for node, (path, _) in zip(placeholders, params)}
+    later = set()
+    output = next(node for node in graph.graph.nodes if node.op == "output")
+    for path, param in params:
+        origin = first.setdefault(id(param), path)
+        if origin == path:
+            continue
+        later.add(path)
+        nodes[path].replace_all_uses_with(nodes[origin])
+        graph.graph.erase_node(nodes[path])
+        if path in grads:
+            with graph.graph.inserting_before(output):
+                total = graph.graph.call_function(torch.ops.aten.add.Tensor, (grads[origin], grads[path]))
+            total.meta["val"] = grads[origin].meta["val"]
+            total.meta["partitioner_tag"] = "is_backward"
+            total.meta["custom"] = {"module": origin.rpartition(".")[0]}
+            grads[origin] = total
+    return later
 
 
 def fake_inputs(mode: FakeTensorMode, tensors) -> tuple[FakeTensor, ...]:

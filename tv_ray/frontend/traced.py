@@ -11,7 +11,9 @@ script does, as functions tv_ray calls on each rank:
     def shard(batch, mesh): ...          # optional: this rank's part of it (default: all of it)
     def loss(model, batch): ...          # forward and loss on a batch
     def step(model, optimizer, batch): ...   # optional: the training step as the script runs it (a context around
-                                         # the loss and its backward, its own clipping); returns the loss
+                                         # the loss and its backward, a pipeline schedule, its own clipping);
+                                         # returns the loss (None on a rank that computes none: a pipeline's
+                                         # stages before the last)
     CLIP = 1.0                           # optional: clip_grad_norm_'s max norm (the default step clips so)
     HIGHS = {"tokens": 128}              # integer batch tensors: values lie in [0, high)
 
@@ -30,6 +32,22 @@ its own rows is a partial sum of dp times the loss) — each stated for that ran
 graph is the single-device model's step captured as `tv-ray plan` captures
 one (`capture_step`): the same loss function, optimizer and clipping.
 Programs equal across ranks are stored once.
+
+The gradients are what the step first reads of them: as clipping takes their
+norm (`torch.nn.utils.get_total_norm`, which `clip_grad_norm_` calls), else as
+the optimizer's step begins — after backward, a pipeline schedule's division
+by its microbatches, megatron-core's reductions into `main_grad`, and before
+clipping changes them (clipping that takes no such norm is read as the
+gradients). Pipelines (torch.distributed.pipelining, or any code that sends
+and receives along one mesh axis) are recorded as they run: every
+microbatch's ops in the order issued, sends and receives with their peer
+along the axis. A parameter a pipeline's stages each hold a copy of (an output
+layer tied to the embedding) is named as the single-device model names the one
+parameter; the single-device step sums its gradient over its uses. Where the
+gradient as the last backward left it is k times the one the step reads (a
+schedule's sum over its microbatches, divided after), the plan states so as
+interior lineage (found by value, proved like any claim): it names the
+multiple that backward's activation gradients are of their logical slices.
 
 The optimizer is torch.optim.SGD (plain: one learning rate) or AdamW (Adam
 with decoupled weight decay, or none; no amsgrad). AdamW's state (``exp_avg``,
@@ -159,7 +177,9 @@ def _record_rank(rank: int, world_size: int, script: ModuleType, port: int) -> d
         mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
         torch.manual_seed(SEED)
         single = script.model()
-        names_before = {name for name, _ in single.named_parameters()}
+        first: dict[int, str] = {}      # a parameter held under several paths (tied) is named by its first
+        names_before = {name: first.setdefault(id(p), name)
+                        for name, p in single.named_parameters(remove_duplicate=False)}
         model = script.parallelize(single, mesh)
         optimizer = script.optimizer(model.parameters())
         _optimizer(optimizer)
@@ -176,51 +196,85 @@ def _record_rank(rank: int, world_size: int, script: ModuleType, port: int) -> d
                   for name, (t, _) in states.items()}
         recorder = Recorder(known, _group_axes(mesh, names))
         grads: dict[str, Any] = {}
+        read_values: dict[str, torch.Tensor] = {}
+        accumulated: dict[str, tuple[Any, torch.Tensor]] = {}
 
-        def made(param, name: str) -> None:      # a gradient as backward leaves it (clipping changes it after)
-            grads[name] = param.grad
-            recorder.mark(f"grad/{name}", _local(param.grad))
+        def read(*_) -> None:      # the gradients as the step first reads them (`_reading_gradients`)
+            if not grads:
+                for name, p in params.items():
+                    if p.grad is not None:
+                        grads[name] = p.grad
+                        recorder.mark(f"grad/{name}", _local(p.grad))
+                        read_values[name] = _copy(_local(p.grad))
 
-        def handed(*_) -> None:     # a gradient the optimizer is handed that backward did not leave (megatron-core's
-            for name, p in params.items():     # reduced `main_grad`, set as the parameter's gradient by the step)
-                if p.grad is not None and p.grad is not grads.get(name):
-                    made(p, name)
-        hooks = [p.register_post_accumulate_grad_hook(lambda p, name=name: made(p, name)) for name, p in params.items()]
-        hooks.append(optimizer.register_step_pre_hook(handed))
-        hooks += recorder.watch(model)
+        def left(param, name: str) -> None:     # a gradient as each backward leaves it: the last one's is kept
+            accumulated[name] = (recorder.holding(_local(param.grad)), _copy(_local(param.grad)))
+        hooks = [optimizer.register_step_pre_hook(read), *recorder.watch(model),
+                 *(p.register_post_accumulate_grad_hook(lambda p, name=name: left(p, name))
+                   for name, p in params.items())]
         try:
             # anomaly mode keeps each forward op's stack: a backward op's source line is its forward op's
-            with torch.autograd.set_detect_anomaly(True, check_nan=False), _tensor_step(optimizer), recorder:
+            with torch.autograd.set_detect_anomaly(True, check_nan=False), _tensor_step(optimizer), \
+                    _reading_gradients(read), recorder:
                 loss = _step(script, model, optimizer, batch, clip)
         finally:
             for hook in hooks:
                 hook.remove()
-        ends = [("loss", loss)] + [(f"new/{n}", p) for n, p in params.items()] + \
+        ends = [("loss", loss)] * (loss is not None) + [(f"new/{n}", p) for n, p in params.items()] + \
             [(f"new/{n}", t) for n, (t, _) in states.items() if not n.startswith("step/")]
-        program = RankConverter(recorder.recording([(name, _local(t)) for name, t in ends])).run()
+        converter = RankConverter(recorder.recording([(name, _local(t)) for name, t in ends]))
+        program = converter.run()
+        multiples = {}
+        for name, (node, value) in accumulated.items():
+            k = _multiple(value, read_values.get(name))
+            if k is not None:
+                multiples[converter.names[node.name]] = {"logical": f"grad/{name}", "scale": k,
+                                                         **_box(grads[name], mesh, params[name])}
         coords = dict(zip(names, (int(c) for c in mesh.get_coordinate())))
-        return {"program": program.to_json(), "coords": coords, "loss": float(_local(warm).detach()),
-                "boxes": {**{name: _box(t, mesh) for name, t in [*params.items(), ("loss", loss)]},
+        return {"program": program.to_json(), "coords": coords,
+                "loss": None if warm is None else float(_local(warm).detach()),
+                "boxes": {**{name: _box(t, mesh) for name, t in [*params.items(), ("loss", loss)] if t is not None},
                           **{f"grad/{n}": _box(g, mesh, params[n]) for n, g in grads.items()},
                           **{f"new/{n}": _box(p, mesh) for n, p in params.items()},
                           **{n: _box(t, mesh, like) for n, (t, like) in states.items()},
                           **{f"new/{n}": _box(t, mesh, like) for n, (t, like) in states.items()
                              if not n.startswith("step/")}},
-                "batch": {name: _found(t, whole[name], name) for name, t in batch.items()}}
+                "batch": {name: _found(t, whole[name], name) for name, t in batch.items()}, "interior": multiples}
     finally:
         dist.destroy_process_group()
+
+
+def _copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of a tensor's value now, made outside the recorder (no op of the step)."""
+    with torch.utils._python_dispatch._disable_current_modes():
+        return tensor.detach().clone()
+
+
+def _multiple(accumulated: torch.Tensor, read: torch.Tensor | None) -> int | None:
+    """k ≥ 2 where the gradient as the last backward left it is k times the one the step reads (a pipeline schedule's
+    sum over its microbatches, divided after: `scale_grads`); None otherwise. Found by value; what the plan states
+    of it is interior lineage, proved like any claim — it names the multiple that backward's activation gradients
+    are of their logical slices (each microbatch's mean loss), so that claims are matched there."""
+    if read is None or accumulated.shape != read.shape or not read.abs().max() > 0:
+        return None
+    big = read.abs() > 1e-6 * read.abs().max()
+    ratio = (accumulated[big] / read[big]).double()
+    k = round(float(ratio.mean()))
+    return k if k >= 2 and torch.allclose(ratio, torch.full_like(ratio, k), rtol=1e-9, atol=0) else None
 
 
 WRAPPERS = ("module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")   # DDPs', compile's, ...
 
 
-def _unwrapped(name: str, single: set[str]) -> str:
+def _unwrapped(name: str, single: dict[str, str]) -> str:
     """A parallel model's parameter by the single-device model's name for it: without the wrappers' segments
-    (megatron-core's and torch's DistributedDataParallel hold the model as `module`) where that is one."""
-    if name in single:
-        return name
-    bare = ".".join(part for part in name.split(".") if part not in WRAPPERS)
-    return bare if bare in single else name
+    (megatron-core's and torch's DistributedDataParallel hold the model as `module`) where that is one; a tied
+    parameter's copy (a pipeline's last stage holding the output layer tied to the first's embedding) by the name
+    the capture gives the one parameter (`single`: every path → the first path of its parameter)."""
+    if name not in single:
+        bare = ".".join(part for part in name.split(".") if part not in WRAPPERS)
+        name = bare if bare in single else name
+    return single.get(name, name)
 
 
 def _group_axes(mesh, names):
@@ -282,6 +336,26 @@ def _states(optimizer, params: dict) -> dict[str, tuple[Any, Any]]:
             if key in state:
                 states[f"{key}/{name}"] = (state[key], p if key != "step" else None)
     return states
+
+
+@contextmanager
+def _reading_gradients(read):
+    """`read` called as the step takes its gradients' norm (`torch.nn.utils.get_total_norm`, which `clip_grad_norm_`
+    calls): the gradients are what the step first reads of them — clipping's norm, else the optimizer's step (its
+    pre-hook) — after backward, a pipeline schedule's division by its microbatches, megatron-core's reductions into
+    `main_grad`, and before clipping changes them. Clipping that takes no such norm is read as the gradients."""
+    import torch.nn.utils as utils
+    import torch.nn.utils.clip_grad as clipping
+    norm = clipping._get_total_norm
+
+    def first(*args, **kwargs):
+        read()
+        return norm(*args, **kwargs)
+    utils.get_total_norm = clipping._get_total_norm = first
+    try:
+        yield
+    finally:
+        utils.get_total_norm = clipping._get_total_norm = norm
 
 
 @contextmanager
@@ -379,17 +453,20 @@ def _plan(script: ModuleType, mesh: dict[str, int], ranks: list[dict]) -> Plan:
     overrides = tuple((r, name) for r, name in enumerate(chosen) if name != chosen[0])
     lineage = []
     for record in ranks:
-        if not record["boxes"]["loss"]["partial"]:
+        if "loss" in record["boxes"] and not record["boxes"]["loss"]["partial"]:
             record["boxes"]["loss"] |= {"partial": list(partial), "scale": scale}
         for tensor, box in {**record["boxes"], **record["batch"]}.items():
             lineage.append(_entry(record["coords"], tensor, box))
+    value = dict(logical.outputs)       # interior lineage names a logical value (an output's: the node it is)
+    interior = tuple(dict.fromkeys(_entry(record["coords"], tensor, box, value[box["logical"]])
+                                   for record in ranks for tensor, box in record["interior"].items()))
     return Plan(format=FORMAT, model=Path(script.__file__).stem, dims={}, mesh=tuple(mesh.items()),
                 microbatches=1, schedule="none", logical=logical, programs=programs,
-                ranks=RankMap(chosen[0], overrides), lineage=tuple(dict.fromkeys(lineage)))
+                ranks=RankMap(chosen[0], overrides), lineage=tuple(dict.fromkeys(lineage)), interior=interior)
 
 
-def _entry(coords: dict[str, int], tensor: str, box: dict) -> Lineage:
-    """`tensor` on the rank at `coords` is its box of the logical tensor of the same name."""
+def _entry(coords: dict[str, int], tensor: str, box: dict, logical: str | None = None) -> Lineage:
+    """`tensor` on the rank at `coords` is its box of the logical tensor of the same name (or `logical`)."""
     cuts = []
     for d, (offset, size, whole) in enumerate(box["dims"]):
         if size != whole:
@@ -398,7 +475,8 @@ def _entry(coords: dict[str, int], tensor: str, box: dict) -> Lineage:
                                    f"split (uneven shards are not lineage)")
             cuts.append((d, (Fixed(offset // size, whole // size),)))
     where = tuple((axis, c) for axis, c in coords.items() if axis not in box["partial"])
-    logical = "step" if tensor.startswith("step/") else tensor      # every parameter's step count: the one step
+    if logical is None:     # every parameter's step count: the one step
+        logical = "step" if tensor.startswith("step/") else tensor
     return Lineage(where, tensor, logical, tuple(cuts), tuple(box["partial"]), box.get("scale", 1))
 
 
@@ -406,15 +484,19 @@ def _loss_relation(mesh: dict[str, int], ranks: list[dict], loss: float) -> tupl
     """How each rank's loss (of the warm step, at the weights the single-device model starts from) relates to the
     single-device `loss`, found by value: equal (no axes), else summed over the ranks of the fewest mesh axes,
     equal to it or to the group's size times it (each rank's mean over its own samples). Neither: no axes, and the
-    loss's stage is refuted where it differs — the relation is output lineage, proved, never assumed."""
-    close = lambda a, b: abs(a - b) <= 1e-9 * max(1.0, abs(b))     # noqa: E731
-    if all(close(r["loss"], loss) for r in ranks):
+    loss's stage is refuted where it differs — the relation is output lineage, proved, never assumed. Ranks whose
+    step returns no loss (a pipeline's stages before the last) have none."""
+    close = lambda a, b: abs(a - b) <= 1e-6 * max(1.0, abs(b))     # noqa: E731 — a float32 loss (megatron upcasts)
+    holding = [r for r in ranks if r["loss"] is not None]
+    if not holding:
+        raise CaptureError("no rank's step returned a loss (step() returns it on the ranks that compute it)")
+    if all(close(r["loss"], loss) for r in holding):
         return (), 1
-    axes = [a for a, n in mesh.items() if n > 1]
+    axes = [a for a in mesh if len({r["coords"][a] for r in holding}) == mesh[a] > 1]
     for k in range(1, len(axes) + 1):
         for subset in itertools.combinations(axes, k):
             sums: dict[tuple, float] = {}
-            for r in ranks:
+            for r in holding:
                 group = tuple((a, c) for a, c in r["coords"].items() if a not in subset)
                 sums[group] = sums.get(group, 0.0) + r["loss"]
             size = math.prod(mesh[a] for a in subset)

@@ -406,14 +406,22 @@ def stated_claims(plan: Plan, logical_shapes: dict[str, tuple[int, ...]], ranks:
 
 
 def token_data(shape: tuple[int, ...], high: int, rng: np.random.Generator, digit: int | None) -> np.ndarray:
-    """Integer data for claim runs: along the last axis each row counts up from its own start modulo `high`
-    (neighbouring positions never hold equal ids: equal ids make some gradients exactly zero, and a zero
-    tensor matches any slice). Row starts are random, or with `digit` k the k-th base-`high` digit of the
-    row number, so over runs k = 0, 1, ... every two rows differ in some run."""
+    """Integer data for claim runs: along the last axis each row steps from its own start modulo `high` (by a
+    step coprime to `high`: no two of a row's first `high` positions hold equal ids — equal ids make some
+    gradients exactly zero, and a zero tensor matches any slice). Random starts and random steps: a row's ids
+    spread over the range, so a vocabulary split into contiguous shards has some in each (a vocabulary-parallel
+    rank's partial embedding is not the whole one); or, with `digit` k, step 1 from the k-th base-`high` digit
+    of the row number, so over runs k = 0, 1, ... every two rows differ in some run."""
     rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
     n = shape[-1] if shape else 1
-    starts = rng.integers(0, high, size=rows) if digit is None else (np.arange(rows) // high ** digit) % high
-    return ((starts[:, None] + np.arange(n)[None, :]) % high).reshape(shape)
+    if digit is None:
+        starts = rng.integers(0, high, size=rows)
+        steps = rng.integers(1, max(high, 2), size=rows)
+        while high > 1 and (bad := np.gcd(steps, high) != 1).any():
+            steps[bad] = rng.integers(1, high, size=int(bad.sum()))
+    else:
+        starts, steps = (np.arange(rows) // high ** digit) % high, np.ones(rows, dtype=np.int64)
+    return ((starts[:, None] + steps[:, None] * np.arange(n)[None, :]) % high).reshape(shape)
 
 
 def run_concrete(plan: Plan, dims: dict[str, int], seed: int = 0,
@@ -624,11 +632,15 @@ class _Matcher:
 
 
 def _scales(plan: Plan) -> list[Fraction | int]:
-    """The multiples a value may be of a slice: every divisor above 1 of a scale the plan's lineage states (of
-    its numerator; of its denominator, as a reciprocal) — `dp` for a rank's mean loss, the `dp / k` left of a
-    gradient pre-divided by k. None in a plan that states none. Ints where they are (as lineage holds them)."""
+    """The multiples a value may be of a slice: every divisor above 1 of a scale the plan's lineage states, or of
+    a product of two (of its numerator; of its denominator, as a reciprocal) — `dp` for a rank's mean loss, the
+    `dp / k` left of a gradient pre-divided by k, `dp × microbatches` for a pipeline's activation gradients (each
+    microbatch's mean loss on each data-parallel rank). None in a plan that states none. Ints where they are (as
+    lineage holds them)."""
+    stated = {entry.scale for entry in (*plan.lineage, *plan.interior)} - {1}
     scales: set[Fraction | int] = set()
-    for scale in {entry.scale for entry in (*plan.lineage, *plan.interior)}:
+    for scale in stated | {a * b for a in stated for b in stated}:
+        scale = Fraction(scale)
         scales.update(d for d in range(2, scale.numerator + 1) if scale.numerator % d == 0)
         scales.update(Fraction(1, d) for d in range(2, scale.denominator + 1) if scale.denominator % d == 0)
     return sorted(scales, key=lambda s: (abs(s - 1), s))

@@ -17,6 +17,7 @@ Axioms beyond field arithmetic — each named, each recorded when it changes a t
   exp_neg   exp(-a) = exp(a)^-1
   log_mul   log(a·b) = log a + log b     only when every factor is known positive
   log_exp   log(exp a) = a
+  exp_log   exp(log a) = a                only when a is known positive (a sum of exponentials)
   max_assoc max(a, max(b, c)) = max(a, b, c)
   max_comm  max(a, b) = max(b, a)
   pow_half  x^0.5 = sqrt(x)
@@ -49,7 +50,7 @@ from tv_ray.terms.term import Kind, Term, add, app, const, mul, postorder, pow_,
 Mono = tuple[tuple[Term, int], ...]   # sorted by atom digest, exponents nonzero
 Poly = dict[Mono, Fraction]           # nonzero coefficients only; {} is zero
 
-AXIOMS = ("exp_add", "exp_neg", "log_mul", "log_exp", "max_assoc", "max_comm", "onehot", "pow_half", "sqrt_sq")
+AXIOMS = ("exp_add", "exp_neg", "exp_log", "log_mul", "log_exp", "max_assoc", "max_comm", "onehot", "pow_half", "sqrt_sq")
 _FACTOR_LIMIT = 10 ** 6  # trial-divide log constants below this; larger ones stay one atom
 
 
@@ -197,14 +198,18 @@ class Normaliser:
         Raises NormaliseError past `MAX_WORK` monomial products (an exploding expansion is unknown, not slow)."""
         _work[0] = 0
         _one_hot_used[0] = False
+        out = self._expand(self._memoised(term))
+        if _one_hot_used[0]:
+            self.axioms.add("onehot")
+        return out
+
+    def _memoised(self, term: Term) -> Poly:
+        """`term`'s form in the memo (every subterm's made first), not expanded."""
         memo = self.memo
         for node in postorder(term):
             if node not in memo:
                 memo[node] = self._rules[node.kind](node, [memo[a] for a in node.args])
-        out = self._expand(memo[term])
-        if _one_hot_used[0]:
-            self.axioms.add("onehot")
-        return out
+        return memo[term]
 
     def _expand(self, p: Poly) -> Poly:
         """p with every inverse atom to a negative power, (P^-1)^-k, multiplied out as P^k.
@@ -327,6 +332,7 @@ class Normaliser:
         if len(p) > 1:
             self.axioms.add("exp_add")
         mono: Mono = ()
+        logs: list[Poly] = []
         for m, c in p.items():
             # exp(c·m) with c = ±k/q  ->  exp(m/q)^(±k): one canonical atom per summand
             k, q = c.numerator, c.denominator
@@ -334,9 +340,24 @@ class Normaliser:
                 self.axioms.add("exp_neg")
             if abs(k) != 1:
                 self.axioms.add("exp_add")
+            inner = self._logged(m) if q == 1 else None
+            if inner is not None:       # exp(k·log P) = P^k for a known-positive P (a softmax by its log-sum-exp)
+                self.axioms.add("exp_log")
+                logs.append(self._pow(inner, k))
+                continue
             atom = self._atom("exp", [self._canon({m: Fraction(1, q)})])
             mono = _m_mul(mono, ((atom, k),))
-        return {mono: Fraction(1)}
+        out: Poly = {mono: Fraction(1)}
+        for factor in logs:
+            out = _p_mul2(out, factor)
+        return out
+
+    def _logged(self, m: Mono) -> Poly | None:
+        """P where the monomial is log(P) for a known-positive P; else None."""
+        if len(m) != 1 or m[0][1] != 1 or m[0][0].kind is not Kind.APP or m[0][0].payload != "log":
+            return None
+        inner = self._expand(self._memoised(m[0][0].args[0]))
+        return inner if self._known_positive(inner) else None
 
     def _known_positive(self, p: Poly) -> bool:
         if not p:
