@@ -142,15 +142,17 @@ SCHEDULE = PP = None        # with pp: this rank's pipeline schedule and the pip
 
 def stage(model, pp):
     """This rank's pipeline stage: its share of the layers (in order), the embedding on the first stage, the norm
-    and output on the last; the other modules deleted."""
-    s, stages = pp.get_local_rank(), pp.size()
+    (where the model has one) and output on the last; the other modules deleted."""
+    s, stages, layers = pp.get_local_rank(), pp.size(), len(model.layers)
     for k in list(model.layers):
-        if int(k) * stages // LAYERS != s:
+        if int(k) * stages // layers != s:
             del model.layers[k]
     if s != 0:
         model.tok_embeddings = None
     if s != stages - 1:
-        model.norm = model.output = None
+        model.output = None
+        if hasattr(model, "norm"):
+            model.norm = None
 
 
 def optimizer(params):

@@ -121,7 +121,7 @@ def verify_plan(plan: Plan, *, budget: Budget = Budget(), executor: Executor | N
             wrong += [o for _, o in part.microbatch_copies() if o.key in refuted and not o.claim.boundary]
         if derivation.deviations:       # a bug: what the lineage states stays, to show where it enters
             wrong = [o for o in wrong if not o.claim.given]
-        else:                           # no output wrong: a partial sum a refuted stage reads may hold yet forget
+        elif refuted:                   # no output wrong: a partial sum a refuted stage reads may hold yet forget
             wrong += _partials_read(part, refuted)      # how it is split (each part zero where it is masked)
         if not wrong:
             break

@@ -9,7 +9,6 @@ the module that ran it.
 from __future__ import annotations
 
 import functools
-
 import operator
 from typing import Any, Callable
 
@@ -444,11 +443,9 @@ def _index_put(cv: Converter, x, indices, values, accumulate=False):
     kinds = [None if i is None else i.meta["val"].dtype for i in indices]
     if not accumulate and kinds == [torch.bool]:
         return _masked_put(cv, x, indices[0], values)
-    if not accumulate and kinds == [torch.int64, torch.int64] and cv.rank(x) == 2 and _is_arange(indices[0]) and \
-            tuple(indices[0].meta["val"].shape) == (x.meta["val"].shape[0],):
+    cols = None if accumulate else _row_columns(cv, x, indices)
+    if cols is not None:
         n = x.meta["val"].shape[0]
-        column = _Val((n, 1), torch.int64)
-        cols = cv.emit(Op.UNSQUEEZE, [cv.arg(indices[1])], {"dim": 1}, suffix="_cols", val=column)
         rows = cv.emit(Op.EXPAND, [cv.arg(values)], {"size": [n]}, suffix="_values", val=_Val((n,), values.meta["val"].dtype))
         src = cv.emit(Op.UNSQUEEZE, [rows], {"dim": 1}, suffix="_src", val=_Val((n, 1), values.meta["val"].dtype))
         return cv.emit(Op.SCATTER, [cv.arg(x), cols, src], {"dim": 1})
@@ -467,16 +464,25 @@ def _max_dim(cv: Converter, x, dim, keepdim=False):
 def _index(cv: Converter, x, indices):
     """x[arange(n), cols] on an (n, m) x (a vocabulary-parallel loss reading each row's target logit): a gather
     along dim 1."""
-    kinds = [None if i is None else i.meta["val"].dtype for i in indices]
-    if kinds == [torch.int64, torch.int64] and cv.rank(x) == 2 and _is_arange(indices[0]) and \
-            tuple(indices[0].meta["val"].shape) == (x.meta["val"].shape[0],) == tuple(indices[1].meta["val"].shape):
+    cols = _row_columns(cv, x, indices)
+    if cols is not None:
         n = x.meta["val"].shape[0]
-        cols = cv.emit(Op.UNSQUEEZE, [cv.arg(indices[1])], {"dim": 1}, suffix="_cols", val=_Val((n, 1), torch.int64))
         picked = cv.emit(Op.GATHER, [cv.arg(x), cols], {"dim": 1}, suffix="_picked",
                          val=_Val((n, 1), x.meta["val"].dtype))
         return cv.emit(Op.SQUEEZE, [picked], {"dim": 1})
-    raise cv.error(f"index with indices {[None if k is None else str(k) for k in kinds]}: only (arange, columns) on a "
-                   f"matrix is supported")
+    kinds = [None if i is None else str(i.meta["val"].dtype) for i in indices]
+    raise cv.error(f"index with indices {kinds}: only (arange, columns) on a matrix is supported")
+
+
+def _row_columns(cv: Converter, x, indices) -> str | None:
+    """For indices (arange(n), cols) of an (n, m) x — one column per row — cols as an (n, 1) index; else None."""
+    if [None if i is None else i.meta["val"].dtype for i in indices] != [torch.int64, torch.int64] or \
+            cv.rank(x) != 2 or not _is_arange(indices[0]):
+        return None
+    n = x.meta["val"].shape[0]
+    if tuple(indices[0].meta["val"].shape) != (n,) or tuple(indices[1].meta["val"].shape) != (n,):
+        return None
+    return cv.emit(Op.UNSQUEEZE, [cv.arg(indices[1])], {"dim": 1}, suffix="_cols", val=_Val((n, 1), torch.int64))
 
 
 def _is_arange(node) -> bool:

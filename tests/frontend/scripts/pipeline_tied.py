@@ -4,11 +4,17 @@ output layer: each holds a copy of the tied weight, whose gradient the step all-
 first and last stage: Megatron's embedding group). BUG = "tie_unsynced" skips that all-reduce, so the copies drift
 apart (B21: piper #13); BUG = "unscaled" keeps the schedule from dividing the gradients by its microbatches (a sum
 of the microbatches' mean gradients where their mean was meant)."""
+import sys
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "docs" / "examples"))
+import dtensor_llama  # noqa: E402
 
 MESH = {"pp": 2}
 VOCAB, DIM, BATCH, SEQ, MICROBATCHES = 8, 4, 4, 2, 2
@@ -40,16 +46,9 @@ def parallelize(model, mesh):
     """This rank's stage of the model (layer k on stage k, the embedding first, the output last) and its schedule."""
     global SCHEDULE
     pp = mesh["pp"]
-    stage, stages = pp.get_local_rank(), pp.size()
-    layers = len(model.layers)
-    for k in list(model.layers):
-        if int(k) * stages // layers != stage:
-            del model.layers[k]
-    if stage != 0:
-        model.tok_embeddings = None
-    if stage != stages - 1:
-        model.output = None
-    SCHEDULE = Schedule1F1B(PipelineStage(model, stage, stages, torch.device("cpu"), group=pp.get_group()),
+    dtensor_llama.stage(model, pp)      # split as the Llama example splits its stages
+    SCHEDULE = Schedule1F1B(PipelineStage(model, pp.get_local_rank(), pp.size(), torch.device("cpu"),
+                                          group=pp.get_group()),
                             n_microbatches=MICROBATCHES, loss_fn=cross_entropy, scale_grads=BUG != "unscaled")
     return model
 
