@@ -46,9 +46,22 @@ def _factor(physical: np.ndarray, logical: np.ndarray) -> str | None:
     diff = physical - logical
     c = float(diff.reshape(-1)[0])
     if np.allclose(diff, c, rtol=1e-6, atol=1e-12) and abs(c) > 1e-9:
-        note = " (= log 2)" if abs(c - np.log(2)) < 1e-6 else ""
+        k = round(float(np.exp(c)))
+        note = f" (= log {k})" if 2 <= k <= 4096 and abs(c - np.log(k)) < 1e-6 else ""
         return f"physical = logical + {c:.6g}{note}"
     return None
+
+
+def _every_run(outcome: Outcome, ob: Obligation) -> tuple[np.ndarray, np.ndarray]:
+    """The stage's physical and claimed values over every concrete run that holds it, flat and per unit of the
+    claim's scale (one value — a loss — fits both a factor and an offset; several runs tell them apart, and an offset
+    is the one of each rank's value: a data-parallel group's mean losses sum to dp × the loss)."""
+    pairs = [(group_value(run, ob.ranks, ob.tensor), run) for run in outcome.runs]
+    pairs = [(np.asarray(p, dtype=np.float64).reshape(-1),
+              np.asarray(ob.claim.value(run.logical[ob.claim.logical]), dtype=np.float64).reshape(-1))
+             for p, run in pairs if p is not None]
+    scale = float(ob.claim.scale)
+    return tuple(np.concatenate([pair[j] for pair in pairs]) / scale if pairs else np.zeros(0) for j in (0, 1))
 
 
 def _missing_reduction(outcome: Outcome, ob: Obligation, run: ConcreteRun, logical: np.ndarray) -> str | None:
@@ -254,8 +267,7 @@ def _stage_report(outcome: Outcome, ob: Obligation, names: dict[str, str]) -> di
     if best is not None:
         i, p, logical = best.run, best.physical, best.logical
         out.update(run=i, max_abs_dev=best.deviation, physical_values=_values(p), logical_values=_values(logical))
-        factor = _factor(np.asarray(p, dtype=np.float64), np.asarray(logical, dtype=np.float64)) or \
-            _missing_reduction(outcome, ob, outcome.runs[i], logical)
+        factor = _factor(*_every_run(outcome, ob)) or _missing_reduction(outcome, ob, outcome.runs[i], logical)
         if factor:
             out["factor"] = factor
         run = outcome.runs[i]

@@ -8,6 +8,8 @@ megatron-core builds its own process groups; tv_ray finds them as the mesh's axe
 shard from megatron-core's `tensor_model_parallel` / `partition_dim` attributes. Its DistributedDataParallel adds
 each gradient into a contiguous buffer (`main_grad`), scales the buffer by 1/dp and all-reduces it over dp; the step
 hands the reduced `main_grad` to the optimizer as Megatron's optimizer does."""
+import types
+
 import torch
 import torch.nn.functional as F
 
@@ -16,7 +18,23 @@ D, H = 4, 8
 
 
 def _megatron_on_cpu():
-    torch.cuda.current_device = lambda: "cpu"        # megatron-core asks for a CUDA device even on CPU
+    """CPU stand-ins for what megatron-core asks of CUDA even on CPU: `torch.cuda.current_device()` (its gradient
+    buffers, its pipeline's receive buffers) answers "cpu"; the pipeline schedule's token count,
+    `torch.zeros([], device="cuda")`, is made on the CPU (the schedule module's `torch` is torch with that one factory
+    redirected: a module, not a mode, so no frame of this file is on the stack of the ops the recorder takes a source
+    line from)."""
+    torch.cuda.current_device = lambda: "cpu"
+    from megatron.core.pipeline_parallel import schedules
+
+    class CpuTorch(types.ModuleType):
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def zeros(*args, device=None, **kwargs):
+            return torch.zeros(*args, device="cpu" if str(device).startswith("cuda") else device, **kwargs)
+    if not isinstance(schedules.torch, CpuTorch):
+        schedules.torch = CpuTorch("torch")
 
 
 class MLP(torch.nn.Module):
@@ -54,20 +72,24 @@ def parallelize(model, mesh):
 
 
 def megatron(model, mesh, parallel, **options):
-    """megatron-core set up for the mesh's tp size, `parallel(config)` built (config: a TransformerConfig with
-    `options`) with `model`'s weights — a tensor-parallel parameter its shard along `partition_dim` — and wrapped in
-    megatron-core's DistributedDataParallel."""
+    """megatron-core set up for the mesh's tp and pp sizes (its default order: tp innermost, then dp, pp outermost —
+    the mesh's), `parallel(config)` built (config: a TransformerConfig with `options`; `parallel` builds this rank's
+    pipeline stage) with `model`'s weights — a tensor-parallel parameter its shard along `partition_dim`, a tied one
+    by each of its names — and wrapped in megatron-core's DistributedDataParallel."""
     _megatron_on_cpu()
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer import TransformerConfig
-    tp = mesh["tp"].size()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-    config = TransformerConfig(num_layers=1, hidden_size=D, num_attention_heads=tp, tensor_model_parallel_size=tp,
-                               use_cpu_initialization=True, params_dtype=torch.float64, perform_initialization=True,
-                               **options)
+    tp, pp = mesh["tp"].size(), mesh["pp"].size() if "pp" in mesh.mesh_dim_names else 1
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    if pp > 1:      # the schedule's receive buffers' dtype; no torch.cuda.synchronize() after its sends and receives
+        options = {"pipeline_dtype": torch.float64, "batch_p2p_sync": False, **options}
+    config = TransformerConfig(num_layers=pp, hidden_size=D, num_attention_heads=tp, tensor_model_parallel_size=tp,
+                               pipeline_model_parallel_size=pp, use_cpu_initialization=True,
+                               params_dtype=torch.float64, perform_initialization=True, **options)
     sharded = parallel(config).double()
-    rank, whole = parallel_state.get_tensor_model_parallel_rank(), dict(model.named_parameters())
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    whole = dict(model.named_parameters(remove_duplicate=False))
     with torch.no_grad():
         for name, param in sharded.named_parameters():
             value = whole[name]
@@ -86,7 +108,9 @@ def batch():
 
 
 def shard(batch, mesh):
-    """This rank's rows: its data-parallel rank's share."""
+    """This rank's rows: its data-parallel rank's share (all of them on a mesh without dp)."""
+    if "dp" not in mesh.mesh_dim_names:
+        return batch
     rank, size = mesh["dp"].get_local_rank(), mesh["dp"].size()
     return {name: tensor.chunk(size)[rank] for name, tensor in batch.items()}
 

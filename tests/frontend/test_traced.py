@@ -175,6 +175,31 @@ def test_megatron_core_sequence_parallelism_is_proved_and_its_unmarked_norm_refu
     assert "physical is one rank's partial sum over tp" in result.report["headline"]
 
 
+def test_torch_ddp_accumulating_gradients_is_proved_and_reduced_before_the_last_microbatch_refuted(tmp_path):
+    """torch's DistributedDataParallel (its reducer's bucket copies, divide and all-reduce) accumulating two
+    microbatches, the first under `no_sync()`; synced on the first instead, the gradient is reduced before the last
+    microbatch and each rank steps with its own part of it."""
+    plan = trace(SCRIPTS / "ddp_accumulate.py")
+    assert [n.attr.get("reduce") for n in plan.programs["rank0"].nodes if n.op.value == "all_reduce"] == ["sum"]
+    result = verified(plan)
+    assert result.proved, result.report.get("headline")
+    result = verified(trace(with_bug(tmp_path, "ddp_accumulate", "sync_first")))
+    assert result.status == "refuted" and result.report["stage"]["phase"] == "bwd"
+    assert "(grad/down.weight)" in result.report["headline"]
+
+
+def test_megatron_core_query_norm_is_proved_and_its_sum_left_to_sequence_parallelism_refuted(tmp_path):
+    """A per-head norm on each tp rank's heads (megatron's `q_layernorm`), whose gradient `finalize_model_grads` sums
+    over tp under `qk_layernorm`. B3: the sum left to the sequence-parallel mark alone, so without sequence
+    parallelism each tp rank keeps its own heads' part."""
+    pytest.importorskip("megatron.core", reason="the megatron extra: pip install -e '.[megatron]'")
+    result = verified(trace(SCRIPTS / "megatron_qknorm.py"))
+    assert result.proved, result.report.get("headline")
+    result = verified(trace(with_bug(tmp_path, "megatron_qknorm", "sp_only")))
+    assert result.status == "refuted" and "(grad/q_layernorm.weight)" in result.report["headline"]
+    assert "physical is one rank's partial sum over tp" in result.report["headline"]
+
+
 def test_a_pipeline_with_tied_embeddings_is_proved_and_its_unsynced_copies_refuted(tmp_path):
     """torch.distributed.pipelining's 1F1B schedule over two stages and two microbatches: its sends and receives,
     its division of the gradients by the microbatches, and the tied embedding's gradient all-reduced over the first
@@ -194,6 +219,31 @@ def test_a_pipeline_with_tied_embeddings_is_proved_and_its_unsynced_copies_refut
     assert "physical = 2 × logical: a sum where a mean was meant" in result.report["headline"]
 
 
+def test_megatron_core_pipeline_schedule_is_proved_and_its_unsynced_tied_copies_refuted(tmp_path):
+    """megatron-core's own 1F1B schedule (docs/examples/megatron_pipeline.py on pp × tp): its sends and receives,
+    its division by the microbatches, `finalize_model_grads` all-reducing the tied weight's copies over pp (and over
+    megatron's data-parallel group of one rank: its input). B21: the model not marked as sharing them."""
+    pytest.importorskip("megatron.core", reason="the megatron extra: pip install -e '.[megatron]'")
+    plan = trace(SCRIPTS / "megatron_tie.py")
+    assert {n.op.value for g in plan.programs.values() for n in g.nodes} >= {"send", "recv"}
+    result = verified(plan)
+    assert result.proved, result.report.get("headline")
+    result = verified(trace(with_bug(tmp_path, "megatron_tie", "tie_unsynced")))
+    assert result.status == "refuted" and "(grad/embedding.weight)" in result.report["headline"]
+    assert "physical is one rank's partial sum over pp" in result.report["headline"]
+
+
+def test_torchtitan_parallelize_llama_is_proved():
+    """torchtitan's own Llama3 and `parallelize_llama` (TP + SP over DTensor, FSDP2, its loss and clipping) on
+    dp × tp, as docs/examples/torchtitan_llama.py runs it on CPU."""
+    pytest.importorskip("torchtitan", reason="pip install --no-deps -r requirements-torchtitan.txt")
+    plan = trace(ROOT / "docs" / "examples" / "torchtitan_llama.py")
+    ops = {n.op.value for n in plan.programs["rank0"].nodes}
+    assert {"all_gather", "reduce_scatter", "all_reduce"} <= ops
+    result = verified(plan)
+    assert result.proved, result.report.get("headline")
+
+
 def test_megatron_core_vocabulary_parallel_layers_are_proved_and_gathered_logits_refuted(tmp_path):
     """megatron-core's VocabParallelEmbedding, linears and vocab_parallel_cross_entropy (its own backward; logits
     upcast with `.float()`) under its DistributedDataParallel on dp × tp. B19: the output layer gathers the logits
@@ -208,7 +258,7 @@ def test_megatron_core_vocabulary_parallel_layers_are_proved_and_gathered_logits
                            progress=False, timeout=0.5)
     assert result.status == "refuted"
     stage = result.report["stage"]
-    assert stage["phase"] == "fwd" and "(loss)" in result.report["headline"]
+    assert stage["phase"] == "fwd" and "(loss) — physical = logical + 0.693147 (= log 2)" in result.report["headline"]
     assert stage["source"].endswith("megatron_lm.py:" + str(next(
         i for i, line in enumerate((ROOT / "docs" / "examples" / "megatron_lm.py").read_text().splitlines(), 1)
         if "vocab_parallel_cross_entropy(model(" in line)))

@@ -172,6 +172,15 @@ def _binary(op: Op) -> Callable:
     return convert
 
 
+def _on_bools(op: Op) -> Callable:
+    """A bitwise op on bools (a mask's `&`, `|`) as the logical one; on integers it is no logical op: refused."""
+    def convert(cv: Converter, a, b):
+        if cv.fx.meta["val"].dtype != torch.bool:
+            raise cv.error(f"{cv.fx.target} on {cv.fx.meta['val'].dtype} (only on bools, as a logical op)")
+        return _binary(op)(cv, a, b)
+    return convert
+
+
 def _unary(op: Op) -> Callable:
     return lambda cv, x: cv.emit(op, [cv.arg(x)])
 
@@ -600,9 +609,10 @@ CONVERTERS: dict[Any, Callable] = {
         (aten.minimum.default, Op.MINIMUM), (aten.eq.Scalar, Op.EQ), (aten.eq.Tensor, Op.EQ),
         (aten.ne.Scalar, Op.NE), (aten.ne.Tensor, Op.NE),
         (aten.lt.Scalar, Op.LT), (aten.ge.Scalar, Op.GE), (aten.lt.Tensor, Op.LT), (aten.ge.Tensor, Op.GE),
-        (aten.__or__.Tensor, Op.LOGICAL_OR), (aten.logical_or.default, Op.LOGICAL_OR),
-        (aten.bitwise_or.Tensor, Op.LOGICAL_OR), (aten.__and__.Tensor, Op.LOGICAL_AND),
-        (aten.logical_and.default, Op.LOGICAL_AND))},
+        (aten.logical_or.default, Op.LOGICAL_OR), (aten.logical_and.default, Op.LOGICAL_AND))},
+    **{target: _on_bools(op) for target, op in (
+        (aten.__or__.Tensor, Op.LOGICAL_OR), (aten.bitwise_or.Tensor, Op.LOGICAL_OR),
+        (aten.__and__.Tensor, Op.LOGICAL_AND), (aten.bitwise_and.Tensor, Op.LOGICAL_AND))},
     aten.rsub.Scalar: _rsub,
     aten.pow.Tensor_Scalar: _pow_tensor_scalar,
     aten.pow.Scalar: _pow_scalar,
@@ -613,6 +623,7 @@ CONVERTERS: dict[Any, Callable] = {
     aten.masked_fill.Scalar: _masked_fill,
     aten.index_put.default: _index_put,
     aten.clamp.default: _clamp,
+    aten._assert_tensor_metadata.default: lambda cv, *_, **__: None,     # a check before a cast: no value
     aten.addcmul.default: _addc(Op.MUL),
     aten.addcdiv.default: _addc(Op.DIV),
     aten.lerp.Scalar: _lerp,

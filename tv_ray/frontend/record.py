@@ -346,7 +346,7 @@ class Recorder(TorchDispatchMode):
         """An in-place op (or one writing its `out=` tensor: ``torch.exp(x, out=y)``) as its out-of-place twin; the
         tensor changed reads the new node, its aliases go stale."""
         if func._overloadname == "out" and isinstance(kwargs.get("out"), torch.Tensor):
-            functional, target = _overload(name, "default"), kwargs["out"]
+            functional, target = _out_twin(func), kwargs["out"]
             kwargs = {k: v for k, v in kwargs.items() if k != "out"}
         else:
             functional, target = FUNCTIONAL.get(func) or _overload(name.rstrip("_"), func._overloadname), args[0]
@@ -531,21 +531,19 @@ class Recorder(TorchDispatchMode):
                          dict(self.sources))
 
 
-def _all_reduce(cv: Converter, x, reduce_op: str, group: str):
-    if reduce_op not in REDUCE_OPS:
-        raise cv.error(f"all_reduce with {reduce_op!r} (only {', '.join(REDUCE_OPS)})")
-    return cv.emit(Op.ALL_REDUCE, [cv.arg(x)], {"axes": list(cv.joint.groups[group]), "reduce": REDUCE_OPS[reduce_op]})
-
-
-def _all_gather(cv: Converter, x, _size: int, group: str):
-    return cv.emit(Op.ALL_GATHER, [cv.arg(x)], {"axes": list(cv.joint.groups[group]), "dim": 0})
-
-
-def _reduce_scatter(cv: Converter, x, reduce_op: str, _size: int, group: str):
-    if reduce_op not in REDUCE_OPS:
-        raise cv.error(f"reduce_scatter with {reduce_op!r} (only {', '.join(REDUCE_OPS)})")
-    return cv.emit(Op.REDUCE_SCATTER, [cv.arg(x)], {"axes": list(cv.joint.groups[group]), "dim": 0,
-                                                    "reduce": REDUCE_OPS[reduce_op]})
+def _collective(op: Op, **attrs) -> Callable:
+    """A collective over its group's mesh axes; over a group of this rank alone (megatron's data-parallel group
+    without dp), its input."""
+    def convert(cv: Converter, x, *args):
+        group, reduce_op = args[-1], args[0] if op != Op.ALL_GATHER else "sum"
+        if reduce_op not in REDUCE_OPS:
+            raise cv.error(f"{op.value} with {reduce_op!r} (only {', '.join(REDUCE_OPS)})")
+        axes = cv.joint.groups[group]
+        if not axes:
+            return cv.alias(cv.arg(x))
+        reduce = {} if op == Op.ALL_GATHER else {"reduce": REDUCE_OPS[reduce_op]}
+        return cv.emit(op, [cv.arg(x)], {"axes": list(axes), **attrs, **reduce})
+    return convert
 
 
 def send(x: torch.Tensor, axis: str, step: int, tag: int) -> None:
@@ -569,9 +567,9 @@ def _recv(cv: Converter, axis: str, step: int, tag: int):
 
 
 COLLECTIVES: dict[Any, Callable] = {
-    c10d.all_reduce.default: _all_reduce,
-    c10d.all_gather_into_tensor.default: _all_gather,
-    c10d.reduce_scatter_tensor.default: _reduce_scatter,
+    c10d.all_reduce.default: _collective(Op.ALL_REDUCE),
+    c10d.all_gather_into_tensor.default: _collective(Op.ALL_GATHER, dim=0),
+    c10d.reduce_scatter_tensor.default: _collective(Op.REDUCE_SCATTER, dim=0),
 }
 
 
@@ -648,6 +646,18 @@ def _users(path: str) -> bool:
 def _overload(name: str, overload: str):
     packet = getattr(aten, name, None)
     return getattr(packet, overload, None) if packet is not None else None
+
+
+@functools.lru_cache(maxsize=None)
+def _out_twin(func):
+    """The functional overload an `out=` overload writes the result of: the one taking the same arguments but `out`
+    (mul.out → mul.Tensor, not mul.default, which multiplies two scalars)."""
+    def signature(schema):
+        return [(a.name, str(a.type)) for a in schema.arguments if not a.is_out]
+    packet = getattr(aten, func._schema.name.split("::")[1])
+    return next((op for op in (getattr(packet, o) for o in packet.overloads())
+                 if not any(a.is_out for a in op._schema.arguments) and signature(op._schema) == signature(func._schema)),
+                None)
 
 
 def _fake(args, kwargs, out) -> bool:

@@ -50,6 +50,30 @@ def _var_mean_unbiased(x, dim=None, unbiased=True, keepdim=False):
     return _var_mean(x, dim, correction=int(unbiased), keepdim=keepdim)
 
 
+def _tril(x, diagonal=0):
+    """The lower triangle (SDPA's causal mask) as a select on row ≥ column."""
+    rows = aten.unsqueeze.default(aten.arange.default(x.shape[-2]), -1)
+    cols = aten.unsqueeze.default(aten.arange.default(x.shape[-1]), 0)
+    return aten.where.self(aten.ge.Tensor(aten.add.Tensor(rows, diagonal), cols), x, aten.zeros_like.default(x))
+
+
+def _masked_whole(x: torch.Tensor, dim: int) -> bool:
+    """Whether some row of `x` along `dim` is -inf throughout; looked at outside any mode (no op recorded)."""
+    with torch.utils._python_dispatch._disable_current_modes():
+        return bool(torch.eq(x, float("-inf")).all(dim).any())
+
+
+def _safe_softmax(x, dim, dtype=None):
+    """SDPA's softmax, which gives 0 on a row masked whole (every entry -inf) where softmax gives NaN: recorded as
+    softmax, so a row masked whole is refused where values are known (a rank's recording; the logical capture runs
+    on fake tensors and the same mask)."""
+    if dtype is not None:
+        x = aten._to_copy.default(x, dtype=dtype)
+    if not isinstance(x, torch._subclasses.FakeTensor) and _masked_whole(x, dim):
+        raise CaptureError("_safe_softmax over a row masked whole (every entry -inf), whose 0 a softmax does not give")
+    return aten._softmax.default(x, dim, False)
+
+
 # ATen ops outside our closed op set that PyTorch can rewrite into ops inside it.
 DECOMPOSITIONS = {
     **get_decompositions([
@@ -58,6 +82,11 @@ DECOMPOSITIONS = {
     ]),
     aten.var_mean.correction: _var_mean,
     aten.var_mean.dim: _var_mean_unbiased,
+    aten.tril.default: _tril,
+    aten._safe_softmax.default: _safe_softmax,
+    aten.logical_not.default: lambda x: aten.eq.Scalar(x, 0),
+    aten.scalar_tensor.default: lambda value, dtype=None, **_: aten.full.default(
+        [], value, dtype=dtype or torch.get_default_dtype()),
 }
 
 

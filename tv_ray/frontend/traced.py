@@ -19,8 +19,10 @@ script does, as functions tv_ray calls on each rank:
 
 Each rank runs as a gloo process on CPU (`world_size` = the mesh's size):
 it builds the mesh (`init_device_mesh`), the model, its parallelization and
-optimizer, runs one warm step (optimizer state and DTensor's caches made),
-then records a second one (`tv_ray.frontend.record`): loss, backward,
+optimizer, runs one warm step (optimizer state and DTensor's caches made;
+two under torch's DistributedDataParallel, which rebuilds its gradient
+buckets as the second step begins),
+then records one more (`tv_ray.frontend.record`): loss, backward,
 clipping, optimizer step. Its program's boundary lineage is read off the
 tensors themselves — a parameter's, gradient's and updated parameter's
 slice from its DTensor placements (`compute_local_shape_and_global_offset`;
@@ -188,6 +190,8 @@ def _record_rank(rank: int, world_size: int, script: ModuleType, port: int) -> d
         batch = script.shard(whole, mesh) if hasattr(script, "shard") else whole
         clip = getattr(script, "CLIP", None)
         warm = _step(script, model, optimizer, batch, clip)   # warm: optimizer state, DTensor's caches
+        if any(isinstance(m, torch.nn.parallel.DistributedDataParallel) for m in model.modules()):
+            _step(script, model, optimizer, batch, clip)    # DDP rebuilds its buckets as the second step begins
         params = {_unwrapped(name, names_before): p for name, p in model.named_parameters()}
         states = _states(optimizer, params)
         known = {id(_local(p)): (_local(p), name, "param") for name, p in params.items()}
@@ -279,10 +283,12 @@ def _unwrapped(name: str, single: dict[str, str]) -> str:
 
 def _group_axes(mesh, names):
     """A process group's name → the mesh axis whose group on this rank has the same ranks in the same order (the
-    mesh's own groups, or ones the code made alike: megatron-core's tensor-parallel group); None: no axis."""
+    mesh's own groups, or ones the code made alike: megatron-core's tensor-parallel group); no axes: a group of this
+    rank alone (megatron-core's data-parallel group on a mesh without dp); None: no axis."""
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
     by_ranks = {tuple(dist.get_process_group_ranks(mesh.get_group(i))): (name,) for i, name in enumerate(names)}
+    by_ranks[(dist.get_rank(),)] = ()
     return lambda group: by_ranks.get(tuple(dist.get_process_group_ranks(_resolve_process_group(group))))
 
 
@@ -483,9 +489,11 @@ def _entry(coords: dict[str, int], tensor: str, box: dict, logical: str | None =
 def _loss_relation(mesh: dict[str, int], ranks: list[dict], loss: float) -> tuple[tuple[str, ...], int]:
     """How each rank's loss (of the warm step, at the weights the single-device model starts from) relates to the
     single-device `loss`, found by value: equal (no axes), else summed over the ranks of the fewest mesh axes,
-    equal to it or to the group's size times it (each rank's mean over its own samples). Neither: no axes, and the
-    loss's stage is refuted where it differs — the relation is output lineage, proved, never assumed. Ranks whose
-    step returns no loss (a pipeline's stages before the last) have none."""
+    equal to it or to the group's size times it (each rank's mean over its own samples). Neither: the mean over its
+    own samples along the axes where the ranks' losses differ (so that the report compares the group's loss with the
+    single-device one: "physical = logical + 0.693147 (= log 2)") — the loss's stage is refuted where it differs; the
+    relation is output lineage, proved, never assumed. Ranks whose step returns no loss (a pipeline's stages before
+    the last) have none."""
     close = lambda a, b: abs(a - b) <= 1e-6 * max(1.0, abs(b))     # noqa: E731 — a float32 loss (megatron upcasts)
     holding = [r for r in ranks if r["loss"] is not None]
     if not holding:
@@ -503,7 +511,10 @@ def _loss_relation(mesh: dict[str, int], ranks: list[dict], loss: float) -> tupl
             for scale in (1, size):
                 if all(close(s, scale * loss) for s in sums.values()):
                     return subset, scale
-    return (), 1
+    differ = tuple(a for a in axes if any(
+        not close(r["loss"], q["loss"]) for r in holding for q in holding
+        if all(r["coords"][b] == q["coords"][b] for b in mesh if b != a)))
+    return differ, math.prod(mesh[a] for a in differ)
 
 
 class _Step(torch.nn.Module):

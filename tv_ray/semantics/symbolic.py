@@ -364,9 +364,11 @@ def _extremum(node, xs, attrs, ctx):
 
 @register(Op.CLAMP)
 def _clamp(node, xs, attrs, ctx):
+    bounds = {k: int(v) if node.dtype != "float" else v for k, v in attrs.items() if k in ("min", "max")}
+
     def one(x):
-        if node.dtype != "float":
-            return lift_int(lambda v: min(max(v, attrs.get("min", v)), attrs.get("max", v)), x)
+        if node.dtype != "float":       # an integer clamp's bounds are integral (attrs store them as floats)
+            return lift_int(lambda v: min(max(v, bounds.get("min", v)), bounds.get("max", v)), x)
         out = to_term(x)
         if "min" in attrs:
             out = max_(out, const(float(attrs["min"])))
