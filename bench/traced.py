@@ -22,7 +22,9 @@ DEFAULT = ("docs/examples/dtensor_mlp.py;tests/frontend/scripts/fsdp_mlp.py;docs
            "docs/examples/dtensor_llama.py;docs/examples/dtensor_llama.py:dp=2,tp=4;docs/examples/megatron_tp.py;"
            "docs/examples/megatron_tp.py:dp=2,tp=4;tests/frontend/scripts/megatron_sp.py;"
            "docs/examples/dtensor_llama.py:pp=2,tp=2;docs/examples/dtensor_llama.py:pp=2,dp=2,tp=2;"
-           "tests/frontend/scripts/pipeline_tied.py;docs/examples/megatron_lm.py")
+           "tests/frontend/scripts/pipeline_tied.py;docs/examples/megatron_lm.py;docs/examples/megatron_pipeline.py;"
+           "tests/frontend/scripts/megatron_qknorm.py;tests/frontend/scripts/ddp_accumulate.py;"
+           "docs/examples/torchtitan_llama.py")
 
 
 def with_mesh(script: Path, mesh: dict[str, int], out: Path) -> Path:
