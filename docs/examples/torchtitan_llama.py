@@ -6,11 +6,11 @@ vocabulary), torchtitan's clip_grad_norm_, AdamW with torchtitan's defaults — 
     pip install --no-deps -r requirements-torchtitan.txt
     tv-ray trace docs/examples/torchtitan_llama.py --world-size 4 -o plan.json && tv-ray verify plan.json -o out
 
-torchtitan 0.3.0 on CPU takes six workarounds, each marked WORKAROUND below: three for a machine without GPUs or
+torchtitan 0.3.0 on CPU takes five workarounds, each marked WORKAROUND below: three for a machine without GPUs or
 triton (a triton-importing module stubbed, torchtitan's device type set to cpu, SDPA's math kernel as attention),
-one for float64 (a mixed-precision dtype torchtitan's table lacks), and two for what tv_ray cannot hold yet: complex
-tensors (Llama3's ComplexRoPE replaced by torchtitan's real CosSinRoPE) and module buffers (RoPE's cache recomputed
-in each forward instead of held as a buffer).
+one for float64 (a mixed-precision dtype torchtitan's table lacks), and one for what tv_ray cannot hold yet: complex
+tensors (Llama3's ComplexRoPE replaced by torchtitan's real CosSinRoPE; its cos/sin cache is a buffer, which the
+proof takes as an input of any value).
 """
 import sys
 import types
@@ -39,8 +39,7 @@ from torchtitan.components.loss import CrossEntropyLoss                 # noqa: 
 from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig   # noqa: E402
 from torchtitan.distributed import ParallelDims                         # noqa: E402
 from torchtitan.distributed import utils as dist_utils                  # noqa: E402
-from torch.distributed.tensor import DTensor, Replicate                            # noqa: E402
-from torchtitan.models.common import CosSinRoPE, Embedding, Linear, RMSNorm, RoPE   # noqa: E402
+from torchtitan.models.common import CosSinRoPE, Embedding, Linear, RMSNorm   # noqa: E402
 from torchtitan.models.common.attention import ScaledDotProductAttention        # noqa: E402
 from torchtitan.models.llama3 import (Llama3Model, _build_llama3_layers, _EMBEDDING_INIT, _NORM_INIT,  # noqa: E402
                                       _output_linear_init, parallelize_llama)
@@ -96,26 +95,10 @@ def config() -> Llama3Model.Config:
 ScaledDotProductAttention.sdpa_backends = [torch.nn.attention.SDPBackend.MATH]
 
 
-def _rope_cache_in_forward(rope, args):
-    """WORKAROUND 6 (tv_ray takes no module buffers): RoPE's cos/sin cache is a buffer made at build time, which
-    neither the logical capture ("buffers are not supported") nor a rank's recording (no parameter, optimizer state
-    or batch tensor) may read. The buffer is dropped and the cache recomputed with torchtitan's own
-    _precompute_cache before each forward, placed as parallelize would have placed it (tp-Replicate)."""
-    query = args[0]
-    cache = rope._precompute_cache().to(query.dtype)
-    if isinstance(query, DTensor):
-        cache = DTensor.from_local(cache, query.device_mesh, [Replicate()] * query.device_mesh.ndim, run_check=False)
-    rope.cache = cache
-
-
 def model():
     m = config().build()
     m.init_states()             # torchtitan's initialisation (trunc_normal_, depth-scaled, ...)
-    for module in m.modules():
-        if isinstance(module, RoPE):
-            del module._buffers["cache"]
-            module.register_forward_pre_hook(_rope_cache_in_forward)
-    return m.double()           # floating-point tensors only (m.to(float64) would cast the complex RoPE cache to real)
+    return m.double()
 
 
 PARALLEL_DIMS = None

@@ -116,11 +116,22 @@ def test_a_parameter_without_a_gradient_is_named():
     assert str(err.value) == "parameter unused.weight receives no gradient from the loss"
 
 
-def test_a_buffer_is_refused_at_its_placeholder():
-    with pytest.raises(CaptureError) as err:
-        capture(_Buffered(), (torch.randn(2, 4),))
-    assert str(err.value) == ("node primals_2 (primals_2) in module '<root>': placeholder is neither a parameter nor "
-                              "a forward argument (buffers are not supported)")
+def test_a_buffer_is_a_data_input_named_by_its_path():
+    """A buffer the step leaves alone is an input of any value: the graph computes with the one it is given."""
+    module = _Buffered().double()
+    x = torch.randn(2, 4, dtype=torch.float64)
+    graph = capture(module, (x,))
+    assert [(s.name, s.role) for s in graph.inputs] == [("w.weight", "param"), ("shift", "data"), ("x", "data")]
+    shift = np.arange(4.0)
+    got = run_graph(graph, {}, {"w.weight": module.w.weight.detach().numpy(), "shift": shift, "x": x.numpy()})
+    assert np.isclose(got["loss"], float((x @ module.w.weight.detach().t()).sum()) + 2 * shift.sum())
+
+
+def test_a_buffer_the_step_changes_is_refused():
+    norm = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))    # running statistics updated
+    with pytest.raises(CaptureError, match=r"expected the loss and a gradient for each \(a forward that mutates an "
+                                           r"input\?\)"):
+        capture(_MSE(norm), (torch.randn(5, 4), torch.randn(5, 4)))
 
 
 class _SizeBranch(torch.nn.Module):

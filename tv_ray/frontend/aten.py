@@ -134,7 +134,7 @@ class Converter:
         elif node.name in self.joint.user_inputs:
             name, role = self.joint.user_inputs[node.name], "data"
         else:
-            raise self.error("placeholder is neither a parameter nor a forward argument (buffers are not supported)")
+            raise self.error("placeholder is neither a parameter, a buffer nor a forward argument")
         self.names[node.name] = name
         dtype = dtype_name(val.dtype, name)
         return TensorSpec(name, tuple(map(_expr, shape)), dtype, role,

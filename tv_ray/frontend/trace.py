@@ -12,7 +12,9 @@ it dropped the node metadata on the way. Here the placeholders and outputs
 are read by position, as the export's signature reads them (parameters, then
 buffers, then the forward's arguments; the loss, then each input's
 gradient); the converted graph is the one the re-traced graph gave, node for
-node. Provenance: each submodule call is annotated (forward hooks +
+node. A buffer the step does not change (a rotary cache) is a data input
+named by its path: the proof holds whatever value it has; one the step
+changes (batch-norm statistics) leaves the joint graph an output more, refused. Provenance: each submodule call is annotated (forward hooks +
 `torch.fx.traceback.annotate`); each node of the joint graph holds that
 module path and its phase (``partitioner_tag``).
 """
@@ -96,7 +98,7 @@ class Joint:
 
     gm: torch.fx.GraphModule
     params: dict[str, str]           # placeholder -> parameter path
-    user_inputs: dict[str, str]      # placeholder -> forward argument name
+    user_inputs: dict[str, str]      # placeholder -> forward argument name, or a buffer's path (a data input)
     loss: str                        # node holding the loss
     grads: dict[str, str]            # parameter path -> node holding its gradient
     provenance: dict[str, tuple[str, str]]  # node -> (module path, "fwd" | "bwd")
@@ -171,7 +173,10 @@ def _joint(graph: torch.fx.GraphModule, wrapper: torch.nn.Module, arg_names: lis
     then the loss's tangents, which a joint graph of a loss never reads: dropped) and (the loss, then each
     placeholder's gradient but the tangents')."""
     params = [(path[len("model."):], param) for path, param in wrapper.named_parameters(remove_duplicate=False)]
-    held = len(params) + len(list(wrapper.named_buffers(remove_duplicate=False)))
+    buffers = [path[len("model."):] for path, _ in wrapper.named_buffers(remove_duplicate=False)]
+    if len(set(map(id, dict(wrapper.named_buffers(remove_duplicate=False)).values()))) != len(buffers):
+        raise CaptureError(f"a buffer is held under two paths ({', '.join(buffers)}): not supported")
+    held = len(params) + len(buffers)
     placeholders = [node for node in graph.graph.nodes if node.op == "placeholder"]
     args = placeholders[held:held + len(arg_names)]
     for node in placeholders[held + len(arg_names):]:
@@ -192,7 +197,8 @@ def _joint(graph: torch.fx.GraphModule, wrapper: torch.nn.Module, arg_names: lis
     tied = _untie(graph, placeholders, params, grads)
     return Joint(gm=graph, params={node.name: path for node, (path, _) in zip(placeholders, params)
                                    if path not in tied},
-                 user_inputs={node.name: name for node, name in zip(args, arg_names)}, loss=outputs[0].name,
+                 user_inputs={node.name: name for node, name in zip(placeholders[len(params):held] + args,
+                                                                    buffers + arg_names)}, loss=outputs[0].name,
                  grads={path: grad.name for path, grad in grads.items() if path not in tied},
                  provenance=_provenance(graph))
 

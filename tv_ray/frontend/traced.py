@@ -27,7 +27,8 @@ clipping, optimizer step. Its program's boundary lineage is read off the
 tensors themselves — a parameter's, gradient's and updated parameter's
 slice from its DTensor placements (`compute_local_shape_and_global_offset`;
 a replicated plain tensor: all of it), a batch tensor's by finding its value
-in the global batch, the loss's by comparing each rank's warm-step loss with
+in the global batch (a buffer's, in the single-device model's buffer: an
+input of any value to the proof), the loss's by comparing each rank's warm-step loss with
 the single-device one (`_loss_relation`: each data-parallel rank's mean over
 its own rows is a partial sum of dp times the loss) — each stated for that rank alone
 (``where`` pins every mesh coordinate but a partial sum's axes). The logical
@@ -182,6 +183,7 @@ def _record_rank(rank: int, world_size: int, script: ModuleType, port: int) -> d
         first: dict[int, str] = {}      # a parameter held under several paths (tied) is named by its first
         names_before = {name: first.setdefault(id(p), name)
                         for name, p in single.named_parameters(remove_duplicate=False)}
+        buffers_before = {name: b.detach().clone() for name, b in single.named_buffers()}
         model = script.parallelize(single, mesh)
         optimizer = script.optimizer(model.parameters())
         _optimizer(optimizer)
@@ -196,6 +198,8 @@ def _record_rank(rank: int, world_size: int, script: ModuleType, port: int) -> d
         states = _states(optimizer, params)
         known = {id(_local(p)): (_local(p), name, "param") for name, p in params.items()}
         known |= {id(t): (t, name, "data") for name, t in batch.items()}
+        buffers = {_unwrapped(name, {n: n for n in buffers_before}): _local(b) for name, b in model.named_buffers()}
+        known |= {id(t): (t, name, "data") for name, t in buffers.items() if name in buffers_before}
         known |= {id(_local(t)): (_local(t), name, "step" if name.startswith("step/") else "state")
                   for name, (t, _) in states.items()}
         recorder = Recorder(known, _group_axes(mesh, names))
@@ -243,7 +247,10 @@ def _record_rank(rank: int, world_size: int, script: ModuleType, port: int) -> d
                           **{n: _box(t, mesh, like) for n, (t, like) in states.items()},
                           **{f"new/{n}": _box(t, mesh, like) for n, (t, like) in states.items()
                              if not n.startswith("step/")}},
-                "batch": {name: _found(t, whole[name], name) for name, t in batch.items()}, "interior": multiples}
+                "batch": {**{name: _found(t, whole[name], name) for name, t in batch.items()},
+                          **{name: _found(t, buffers_before[name], name, "buffer") for name, t in buffers.items()
+                             if name in buffers_before}},
+                "interior": multiples}
     finally:
         dist.destroy_process_group()
 
@@ -414,13 +421,15 @@ def _box(tensor, mesh, like=None) -> dict:
     return {"dims": dims, "partial": []}
 
 
-def _found(local: torch.Tensor, whole: torch.Tensor, name: str) -> dict:
-    """A batch tensor's box in the global batch, found by value: all of it, or the one block of equal chunks along
+def _found(local: torch.Tensor, whole: torch.Tensor, name: str, what: str = "batch tensor") -> dict:
+    """A batch tensor's box in the global batch (a buffer's in the single-device model's buffer, `what`), found by
+    value: all of it, or the one block of equal chunks along
     the dims where they differ that equals it (a sequence-parallel rank's part of its data-parallel rows: two dims;
     two blocks equal to it — repeated rows of token ids — leave which one the rank read unknown: an error, never a
     guess, since input lineage is assumed)."""
     if local.shape == whole.shape and torch.equal(local, whole):
         return {"dims": [[0, n, n] for n in whole.shape], "partial": []}
+    of = "the global batch's" if what == "batch tensor" else "the single-device model's"
     split = [d for d, (n, m) in enumerate(zip(local.shape, whole.shape)) if n != m]
     found = []
     if local.dim() == whole.dim() and split and all(whole.shape[d] % local.shape[d] == 0 for d in split):
@@ -432,11 +441,13 @@ def _found(local: torch.Tensor, whole: torch.Tensor, name: str) -> dict:
                 found.append(tuple(zip(split, chunks)))
     if len(found) > 1:
         listed = [f[0] if len(f) == 1 else f for f in found]
-        raise CaptureError(f"batch tensor {name!r} {tuple(local.shape)} on this rank equals {len(found)} chunks of the "
-                           f"global batch's {tuple(whole.shape)} (dim, chunk: {listed}); make batch() draw distinct rows")
+        raise CaptureError(f"{what} {name!r} {tuple(local.shape)} on this rank equals {len(found)} chunks of "
+                           f"{of} {tuple(whole.shape)} (dim, chunk: {listed})" +
+                           ("; make batch() draw distinct rows" if what == "batch tensor" else ""))
     if not found:
-        raise CaptureError(f"batch tensor {name!r} {tuple(local.shape)} on this rank is no chunk of the global batch's "
-                           f"{tuple(whole.shape)}: shard() must return slices of batch()'s tensors")
+        raise CaptureError(f"{what} {name!r} {tuple(local.shape)} on this rank is no chunk of {of} "
+                           f"{tuple(whole.shape)}" + (": shard() must return slices of batch()'s tensors"
+                                                      if what == "batch tensor" else " (changed by the step?)"))
     box = [[0, s, s] for s in whole.shape]
     for d, k in found[0]:
         box[d] = [k * local.shape[d], local.shape[d], whole.shape[d]]
@@ -549,9 +560,9 @@ def _logical(script: ModuleType) -> tuple[Graph, float]:
 
 
 def _without_prefix(graph: Graph, prefix: str) -> Graph:
-    """The graph with `prefix` dropped from every parameter's name, alone or after a role (``grad/``, ``exp_avg/``,
-    ``new/exp_avg/``), in inputs, args and outputs."""
-    params = {s.name: s.name[len(prefix):] for s in graph.inputs if s.role == "param" and s.name.startswith(prefix)}
+    """The graph with `prefix` dropped from every parameter's and buffer's name, alone or after a role (``grad/``,
+    ``exp_avg/``, ``new/exp_avg/``), in inputs, args and outputs."""
+    params = {s.name: s.name[len(prefix):] for s in graph.inputs if s.name.startswith(prefix)}
 
     def rename(name: str) -> str:
         head, sep, tail = name.rpartition("/")
