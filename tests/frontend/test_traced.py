@@ -209,6 +209,9 @@ def test_a_pipeline_with_tied_embeddings_is_proved_and_its_unsynced_copies_refut
     p2p = {(n.op.value, dict(n.attr["peer"])["pp"]) for g in plan.programs.values() for n in g.nodes
            if n.op.value in ("send", "recv")}
     assert p2p == {("send", 1), ("recv", 1), ("send", -1), ("recv", -1)}
+    # the second microbatch's forward runs after the first's backward: still forward, not the optimizer's step
+    assert {n.get_meta("phase") for g in plan.programs.values() for n in g.nodes if n.get_meta("module")} == \
+        {"fwd", "bwd"}
     result = verified(plan)
     assert result.proved, result.report.get("headline")
     result = verified(trace(with_bug(tmp_path, "pipeline_tied", "tie_unsynced")))

@@ -230,7 +230,12 @@ class Recorder(TorchDispatchMode):
         read = lambda x: self._read(x, func) if isinstance(x, torch.Tensor) else x   # noqa: E731
         node = self.graph.call_function(func, tree_map(read, tuple(args)), tree_map(read, dict(kwargs)))
         node.meta["val"] = tree_map(lambda t: Value(t) if isinstance(t, torch.Tensor) else t, out)
-        phase = "bwd" if torch._C._current_graph_task_id() != -1 else "optim" if self.backward_seen else "fwd"
+        # after a backward, an op of a module's forward before the gradients are read, or one whose value autograd
+        # will differentiate, is still forward (a pipeline's next microbatch); the others (gradient syncs, clipping,
+        # the optimizer) are the step's
+        forward = not self.backward_seen or (self.module and not self.marked) or \
+            any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(out))
+        phase = "bwd" if torch._C._current_graph_task_id() != -1 else "fwd" if forward else "optim"
         self.backward_seen |= phase == "bwd"
         module, source = self.module[-1] if self.module else "", _source()
         if source:
