@@ -21,7 +21,7 @@ import itertools
 
 import numpy as np
 
-from tv_ray.certificate.outcome import Outcome, Status, replay_stage
+from tv_ray.certificate.outcome import Outcome, Status, replay_stage, replays
 from tv_ray.errors import GraphError
 from tv_ray.partition.claims import ConcreteRun, group_value
 from tv_ray.partition.stages import Obligation
@@ -53,15 +53,13 @@ def _factor(physical: np.ndarray, logical: np.ndarray) -> str | None:
 
 
 def _every_run(outcome: Outcome, ob: Obligation) -> tuple[np.ndarray, np.ndarray]:
-    """The stage's physical and claimed values over every concrete run that holds it, flat and per unit of the
-    claim's scale (one value — a loss — fits both a factor and an offset; several runs tell them apart, and an offset
-    is the one of each rank's value: a data-parallel group's mean losses sum to dp × the loss)."""
-    pairs = [(group_value(run, ob.ranks, ob.tensor), run) for run in outcome.runs]
-    pairs = [(np.asarray(p, dtype=np.float64).reshape(-1),
-              np.asarray(ob.claim.value(run.logical[ob.claim.logical]), dtype=np.float64).reshape(-1))
-             for p, run in pairs if p is not None]
+    """The stage's physical and claimed values over every concrete run that holds it (`replays`), flat and per unit
+    of the claim's scale (one value — a loss — fits both a factor and an offset; several runs tell them apart, and an
+    offset is the one of each rank's value: a data-parallel group's mean losses sum to dp × the loss)."""
+    runs = replays(outcome.runs, ob)
     scale = float(ob.claim.scale)
-    return tuple(np.concatenate([pair[j] for pair in pairs]) / scale if pairs else np.zeros(0) for j in (0, 1))
+    return tuple(np.concatenate([np.asarray(getattr(r, side), dtype=np.float64).reshape(-1) for r in runs]) / scale
+                 if runs else np.zeros(0) for side in ("physical", "logical"))
 
 
 def _missing_reduction(outcome: Outcome, ob: Obligation, run: ConcreteRun, logical: np.ndarray) -> str | None:

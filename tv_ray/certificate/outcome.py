@@ -105,19 +105,21 @@ class Replay:
     logical: np.ndarray
 
 
-def replay_stage(runs: list[ConcreteRun], ob: Obligation) -> Replay | None:
-    """The stage's physical value (summed over its group for a partial claim) against its claim's value, in the
-    concrete run where they differ most; None when no run holds it."""
-    best = None
+def replays(runs: list[ConcreteRun], ob: Obligation) -> list[Replay]:
+    """The stage's physical value (summed over its group for a partial claim) against its claim's value, in every
+    concrete run that holds it."""
+    out = []
     for i, run in enumerate(runs):
         physical = group_value(run, ob.ranks, ob.tensor)
-        if physical is None:
-            continue
-        logical = ob.claim.value(run.logical[ob.claim.logical])
-        dev = max_abs_deviation(physical, logical)
-        if best is None or dev > best.deviation:
-            best = Replay(dev, i, physical, logical)
-    return best
+        if physical is not None:
+            logical = ob.claim.value(run.logical[ob.claim.logical])
+            out.append(Replay(max_abs_deviation(physical, logical), i, physical, logical))
+    return out
+
+
+def replay_stage(runs: list[ConcreteRun], ob: Obligation) -> Replay | None:
+    """`replays` in the concrete run where the two differ most; None when no run holds the stage."""
+    return max(replays(runs, ob), key=lambda r: r.deviation, default=None)
 
 
 @dataclass
@@ -184,4 +186,4 @@ class Outcome:
         return min(bad, key=lambda o: o.position) if bad else None
 
 
-__all__ = ["Status", "Verdict", "Outcome", "Replay", "replay_stage", "REPLAY_TOL"]
+__all__ = ["Status", "Verdict", "Outcome", "Replay", "replay_stage", "replays", "REPLAY_TOL"]

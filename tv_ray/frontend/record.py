@@ -539,14 +539,15 @@ class Recorder(TorchDispatchMode):
 def _collective(op: Op, **attrs) -> Callable:
     """A collective over its group's mesh axes; over a group of this rank alone (megatron's data-parallel group
     without dp), its input."""
-    def convert(cv: Converter, x, *args):
-        group, reduce_op = args[-1], args[0] if op != Op.ALL_GATHER else "sum"
-        if reduce_op not in REDUCE_OPS:
-            raise cv.error(f"{op.value} with {reduce_op!r} (only {', '.join(REDUCE_OPS)})")
-        axes = cv.joint.groups[group]
+    def convert(cv: Converter, x, *args):          # (reduce op,) (group size,) group
+        reduce = {}
+        if op is not Op.ALL_GATHER:
+            if args[0] not in REDUCE_OPS:
+                raise cv.error(f"{op.value} with {args[0]!r} (only {', '.join(REDUCE_OPS)})")
+            reduce = {"reduce": REDUCE_OPS[args[0]]}
+        axes = cv.joint.groups[args[-1]]
         if not axes:
             return cv.alias(cv.arg(x))
-        reduce = {} if op == Op.ALL_GATHER else {"reduce": REDUCE_OPS[reduce_op]}
         return cv.emit(op, [cv.arg(x)], {"axes": list(axes), **attrs, **reduce})
     return convert
 

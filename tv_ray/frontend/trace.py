@@ -53,7 +53,8 @@ def _var_mean_unbiased(x, dim=None, unbiased=True, keepdim=False):
 
 
 def _tril(x, diagonal=0):
-    """The lower triangle (SDPA's causal mask) as a select on row ≥ column."""
+    """The lower triangle (SDPA's causal mask) as a select on row ≥ column (torch's own decomposition compares
+    with `le`, an op the IR does not have)."""
     rows = aten.unsqueeze.default(aten.arange.default(x.shape[-2]), -1)
     cols = aten.unsqueeze.default(aten.arange.default(x.shape[-1]), 0)
     return aten.where.self(aten.ge.Tensor(aten.add.Tensor(rows, diagonal), cols), x, aten.zeros_like.default(x))
@@ -173,8 +174,9 @@ def _joint(graph: torch.fx.GraphModule, wrapper: torch.nn.Module, arg_names: lis
     then the loss's tangents, which a joint graph of a loss never reads: dropped) and (the loss, then each
     placeholder's gradient but the tangents')."""
     params = [(path[len("model."):], param) for path, param in wrapper.named_parameters(remove_duplicate=False)]
-    buffers = [path[len("model."):] for path, _ in wrapper.named_buffers(remove_duplicate=False)]
-    if len(set(map(id, dict(wrapper.named_buffers(remove_duplicate=False)).values()))) != len(buffers):
+    held_buffers = list(wrapper.named_buffers(remove_duplicate=False))
+    buffers = [path[len("model."):] for path, _ in held_buffers]
+    if len({id(b) for _, b in held_buffers}) != len(buffers):
         raise CaptureError(f"a buffer is held under two paths ({', '.join(buffers)}): not supported")
     held = len(params) + len(buffers)
     placeholders = [node for node in graph.graph.nodes if node.op == "placeholder"]

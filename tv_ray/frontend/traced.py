@@ -198,8 +198,12 @@ def _record_rank(rank: int, world_size: int, script: ModuleType, port: int) -> d
         states = _states(optimizer, params)
         known = {id(_local(p)): (_local(p), name, "param") for name, p in params.items()}
         known |= {id(t): (t, name, "data") for name, t in batch.items()}
-        buffers = {_unwrapped(name, {n: n for n in buffers_before}): _local(b) for name, b in model.named_buffers()}
-        known |= {id(t): (t, name, "data") for name, t in buffers.items() if name in buffers_before}
+        buffers, single_names = {}, {n: n for n in buffers_before}
+        for name, b in model.named_buffers():   # the single-device model's, by its names (frameworks' own: no inputs)
+            name = _unwrapped(name, single_names)
+            if name in buffers_before:
+                buffers[name] = _local(b)
+        known |= {id(t): (t, name, "data") for name, t in buffers.items()}
         known |= {id(_local(t)): (_local(t), name, "step" if name.startswith("step/") else "state")
                   for name, (t, _) in states.items()}
         recorder = Recorder(known, _group_axes(mesh, names))
@@ -248,8 +252,7 @@ def _record_rank(rank: int, world_size: int, script: ModuleType, port: int) -> d
                           **{f"new/{n}": _box(t, mesh, like) for n, (t, like) in states.items()
                              if not n.startswith("step/")}},
                 "batch": {**{name: _found(t, whole[name], name) for name, t in batch.items()},
-                          **{name: _found(t, buffers_before[name], name, "buffer") for name, t in buffers.items()
-                             if name in buffers_before}},
+                          **{name: _found(t, buffers_before[name], name, "buffer") for name, t in buffers.items()}},
                 "interior": multiples}
     finally:
         dist.destroy_process_group()
