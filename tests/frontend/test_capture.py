@@ -90,6 +90,32 @@ def test_unsupported_op_names_the_op_and_module():
         "to tv_ray.frontend.aten.CONVERTERS or a decomposition to tv_ray.frontend.trace.DECOMPOSITIONS")
 
 
+class _IntegerAnd(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Linear(4, 4, bias=False)
+
+    def forward(self, x, ids, other):
+        return (self.w(x) * ((ids & other) == 1)).sum()
+
+
+def test_a_bitwise_op_on_integers_is_refused_not_read_as_a_logical_one():
+    with pytest.raises(CaptureError, match=r"^node bitwise_and\w* \(aten.bitwise_and.Tensor\) in module '<root>': "
+                                           r"aten.bitwise_and.Tensor on torch.int64 \(only on bools, as a logical op\)"):
+        capture(_IntegerAnd(), (torch.randn(2, 4), torch.arange(4), torch.arange(4)),
+                int_highs={"ids": 4, "other": 4})
+
+
+def test_safe_softmax_over_a_row_masked_whole_is_refused():
+    """SDPA's `_safe_softmax` is recorded as softmax; they differ only on a row that is -inf throughout."""
+    from tv_ray.frontend.trace import DECOMPOSITIONS
+    safe = DECOMPOSITIONS[torch.ops.aten._safe_softmax.default]
+    masked = torch.tensor([[0.0, float("-inf")], [float("-inf"), float("-inf")]])
+    assert torch.equal(safe(masked[:1], -1), torch.tensor([[1.0, 0.0]]))
+    with pytest.raises(CaptureError, match=r"^_safe_softmax over a row masked whole \(every entry -inf\)"):
+        safe(masked, -1)
+
+
 class _Unused(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -661,9 +661,9 @@ def _out_twin(func):
     def signature(schema):
         return [(a.name, str(a.type)) for a in schema.arguments if not a.is_out]
     packet = getattr(aten, func._schema.name.split("::")[1])
-    return next((op for op in (getattr(packet, o) for o in packet.overloads())
-                 if not any(a.is_out for a in op._schema.arguments) and signature(op._schema) == signature(func._schema)),
-                None)
+    twins = (getattr(packet, o) for o in packet.overloads())
+    return next((op for op in twins if not any(a.is_out for a in op._schema.arguments)
+                 and signature(op._schema) == signature(func._schema)), None)
 
 
 def _fake(args, kwargs, out) -> bool:

@@ -14,7 +14,8 @@ buffers, then the forward's arguments; the loss, then each input's
 gradient); the converted graph is the one the re-traced graph gave, node for
 node. A buffer the step does not change (a rotary cache) is a data input
 named by its path: the proof holds whatever value it has; one the step
-changes (batch-norm statistics) leaves the joint graph an output more, refused. Provenance: each submodule call is annotated (forward hooks +
+changes (batch-norm statistics) leaves the joint graph an output more,
+refused. Provenance: each submodule call is annotated (forward hooks +
 `torch.fx.traceback.annotate`); each node of the joint graph holds that
 module path and its phase (``partitioner_tag``).
 """
