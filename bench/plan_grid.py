@@ -3,7 +3,8 @@
     python bench/plan_grid.py [--models llama3-tiny,gpt2-tiny] [--out bench/results/plan_grid.json]
 
 Grid: dp, tp, pp, mb in {1, 2} x sp (when tp = 2) x zero 0-3 x tied on/off x
-sgd/adamw, with clipping at 1.0. Records the max abs deviation of every config
+sgd/adamw, with clipping at 1.0; for a model with routed experts also ep = 2
+(carved out of dp: dp = 2 and dp = 4). Records the max abs deviation of every config
 and exits 1 if any exceeds 1e-9 or fails to build.
 """
 from __future__ import annotations
@@ -20,12 +21,17 @@ from tv_ray.errors import TvRayError
 TOL = 1e-9
 
 
-def configs(zeros=range(4)):
-    """Every recipe config of the grid: (parallel spec, flags)."""
-    for dp, tp, pp, mb in itertools.product((1, 2), repeat=4):
+def configs(zeros=range(4), experts: bool = False):
+    """Every recipe config of the grid: (parallel spec, flags); `experts`: with ep = 2 too."""
+    data = [(1, 1), (2, 1)] + ([(2, 2), (4, 2)] if experts else [])
+    for (dp, ep), tp, pp, mb in itertools.product(data, (1, 2), (1, 2), (1, 2)):
         for sp in ((False, True) if tp == 2 else (False,)):
             for zero in zeros:
-                yield f"dp={dp},tp={tp},pp={pp},mb={mb}", {"sp": sp, "zero": zero}
+                yield f"dp={dp},tp={tp},pp={pp},mb={mb}" + (f",ep={ep}" if ep > 1 else ""), {"sp": sp, "zero": zero}
+
+
+def has_experts(model: str) -> bool:
+    return "experts" in tv_ray.models.get(model).dims
 
 
 def finish(rows: list[dict], failures: int, start: float, out: str, **totals) -> int:
@@ -48,7 +54,7 @@ def main() -> int:
     for model in args.models.split(","):
         for tied, optim in itertools.product((True, False), ("sgd", "adamw")):
             graph = tv_ray.capture_step(model, optim=optim, clip=1.0, tied=tied)
-            for spec, flags in configs():
+            for spec, flags in configs(experts=has_experts(model)):
                 row = {"model": model, "tied": tied, "optim": optim, "parallel": spec, **flags}
                 try:
                     plan = tv_ray.parallelize(graph, spec, model=model, **flags)

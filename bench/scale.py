@@ -1,6 +1,6 @@
 """Stage generation at scale, today's generator against one without a renaming, side by side in one run.
 
-    python bench/scale.py [--configs "llama3-8b:32:dp=4,tp=8,pp=4,mb=8:512;..." | --sweep layers|tp|pp|dp|mb|frontier]
+    python bench/scale.py [--configs "llama3-8b:32:dp=4,tp=8,pp=4,mb=8:512;..." | --sweep layers|tp|pp|dp|mb|frontier|moe]
                           [--out bench/results/scale.json]
                           [--modes templates,baseline|stepped|evaluated|before|workers2|costs]
                           [--before DIR] [--plot bench/results/scale.png]
@@ -45,10 +45,17 @@ FRONTIER = ("llama3-8b:32:dp=512:512;llama3-8b:32:dp=16,tp=8,pp=4,mb=32:512;"
             "llama3-70b:80:dp=16,tp=8,pp=4,mb=32:512;llama3-405b:126:dp=64,tp=8,pp=16,mb=16:2048")
 
 
+# TrainVerify's DeepSeek configurations (issue 18): 16B and 236B as TrainVerify ran them, 671B with ep = 8
+MOE = ("deepseek-v2-lite-16b:27:dp=16,tp=4,pp=2,mb=16:256;deepseek-v2-236b:60:dp=16,tp=8,pp=4,mb=16:256;"
+       "deepseek-v3-671b:61:dp=32,tp=8,pp=8,mb=16,ep=8:512")
+
+
 def sweep(name: str) -> str:
-    """The configs of one sweep around `BASE` (every other degree held), or `FRONTIER`."""
+    """The configs of one sweep around `BASE` (every other degree held), `FRONTIER` or `MOE`."""
     if name == "frontier":
         return FRONTIER
+    if name == "moe":
+        return MOE
     def config(layers: int, degrees: dict) -> str:
         spec = ",".join(f"{k}={v}" for k, v in degrees.items())
         return f"llama3-8b:{layers}:{spec}:{degrees['dp'] * degrees['mb']}"   # a sample per microbatch and dp rank
@@ -199,7 +206,7 @@ def digests(part) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--configs", default=DEFAULT)
-    parser.add_argument("--sweep", choices=sorted(SWEEPS) + ["frontier"],
+    parser.add_argument("--sweep", choices=sorted(SWEEPS) + ["frontier", "moe"],
                         help="the configs of one sweep, or TrainVerify's (instead of --configs)")
     parser.add_argument("--modes", default="templates,baseline")
     parser.add_argument("--out", default="bench/results/scale.json")

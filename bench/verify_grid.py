@@ -20,7 +20,7 @@ import tempfile
 import time
 
 import tv_ray
-from plan_grid import configs, finish
+from plan_grid import configs, finish, has_experts
 from tv_ray.certificate import check_certificate
 from tv_ray.errors import TvRayError
 
@@ -40,7 +40,7 @@ def main() -> int:
     for model in args.models.split(","):
         for tied, optim in variants:
             graph = tv_ray.capture_step(model, optim=optim, clip=1.0, tied=tied)
-            for spec, flags in configs(range(4) if args.full else (0, 3)):
+            for spec, flags in configs(range(4) if args.full else (0, 3), has_experts(model)):
                 row = {"model": model, "tied": tied, "optim": optim, "parallel": spec, **flags}
                 t = time.perf_counter()
                 try:

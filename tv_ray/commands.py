@@ -2,6 +2,7 @@
 
     tv-ray verify --model llama3-tiny --parallel dp=2,tp=2,pp=2,mb=2 --optim adamw --clip 1.0 -o out
     tv-ray verify --model llama3-405b --parallel dp=64,tp=8,pp=16,mb=16 --dims batch=2048 -o out
+    tv-ray verify --model deepseek-tiny --parallel dp=4,ep=2,tp=2,mb=2 -o out      # experts over ep
     tv-ray verify plan.json -o out --address 10.0.0.1:6379      # solver actors on a running Ray cluster
     tv-ray verify --resume out                                  # continue a killed run from out/checkpoint
     tv-ray check out
@@ -102,7 +103,8 @@ def add_model_flags(parser: argparse.ArgumentParser, *, required: bool) -> None:
     parser.add_argument("--model", required=required, choices=list_models(), metavar="NAME", action=_Noted,
                         help="a built-in model (see `tv-ray models`)")
     parser.add_argument("--parallel", required=required, metavar="SPEC", action=_Noted,
-                        help="degrees, e.g. dp=2,tp=2,pp=2,mb=2 (mb: microbatches)")
+                        help="degrees, e.g. dp=2,tp=2,pp=2,mb=2 (mb: microbatches; ep: expert parallel, "
+                             "carved out of dp, for a MoE model: dp=4,ep=2)")
     parser.add_argument("--sp", action=_NotedConst, const=True, default=False,
                         help="sequence parallel, needs tp > 1 (default: off)")
     parser.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), action=_Noted,

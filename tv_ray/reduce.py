@@ -359,12 +359,15 @@ def _select(c, node, shapes, axis_sizes, path):
     c.keep_order(index + 1, size, source)
 
 
-@_rule(Op.TOPK_VALUES, Op.TOPK_INDICES)
+@_rule(Op.TOPK_VALUES, Op.TOPK_INDICES, Op.TOPK_MASK)
 def _topk(c, node, shapes, axis_sizes, path):
     d = node.attr["dim"]
     size = shapes[0][_axis(d, len(shapes[0]))]
     c.keep_order(node.attr["k"], size, (path, node, f"topk k along dim {d}"))
     c.reduced(size, (path, node, f"topk compares along dim {d}"))
+    if node.op == Op.TOPK_MASK:     # a routing choice stays a choice: with all k picked, every expert's
+        # gates and loads become constants across layers, which the inference of claims by value confuses
+        c.keep_order(Expr.of(node.attr["k"]) + 1, size, (path, node, f"topk picks among more than k along dim {d}"))
 
 
 @_rule(Op.SQUEEZE)

@@ -160,6 +160,41 @@ def test_a_buffer_the_step_changes_is_refused():
         capture(_MSE(norm), (torch.randn(5, 4), torch.randn(5, 4)))
 
 
+class _Router(torch.nn.Module):
+    """Top-2 of 4 experts per token; `capacity`: each expert keeps its first token only (a count over the choices)."""
+
+    def __init__(self, capacity: bool = False):
+        super().__init__()
+        self.gate = torch.nn.Linear(3, 4, bias=False)
+        self.capacity = capacity
+
+    def forward(self, x):
+        scores = self.gate(x).sigmoid()
+        chosen = torch.topk(scores.detach(), 2, dim=-1).indices
+        mask = torch.zeros_like(scores).scatter(-1, chosen, 1.0)
+        if self.capacity:
+            load = torch.nn.functional.one_hot(chosen, 4).sum(1).cumsum(0)
+            mask = mask * (load <= 1)
+        return (scores * mask).sum()
+
+
+def test_a_routing_mask_is_one_topk_mask_op_with_torchs_values():
+    module = _Router().double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    graph = capture(module, (x,))
+    masks = [n for n in graph.nodes if n.op == Op.TOPK_MASK]
+    assert len(masks) == 1 and masks[0].attr["k"] == 2 and masks[0].attr["dim"] == 1
+    assert not [n for n in graph.nodes if n.op in (Op.TOPK_INDICES, Op.TOPK_VALUES, Op.SCATTER)]
+    got = run_graph(graph, {}, {"gate.weight": module.gate.weight.detach().numpy(), "x": x.numpy()})
+    assert np.isclose(got["loss"], float(module(x)))
+
+
+def test_capacity_limited_routing_is_refused_at_the_read_of_the_indices():
+    with pytest.raises(CaptureError, match=r"reads the indices of topk: a top-k's indices are supported only "
+                                           r"scattered as ones into zeros shaped like its input \(a routing mask\)"):
+        capture(_Router(capacity=True).double(), (torch.randn(5, 3, dtype=torch.float64),))
+
+
 class _SizeBranch(torch.nn.Module):
     """Adds an op only when seq is large: not shape-polymorphic."""
 

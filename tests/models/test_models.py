@@ -7,7 +7,9 @@ from tv_ray.errors import TvRayError
 
 
 def test_registry_lists_the_built_in_models():
-    assert models.list_models() == ["llama3-tiny", "llama3-8b", "llama3-70b", "llama3-405b", "gpt2-tiny", "gpt2-small"]
+    assert models.list_models() == ["llama3-tiny", "llama3-8b", "llama3-70b", "llama3-405b", "deepseek-tiny",
+                                    "deepseek-v2-lite-16b", "deepseek-v2-236b", "deepseek-v3-671b", "gpt2-tiny",
+                                    "gpt2-small"]
 
 
 def test_unknown_model_names_the_known_ones():
@@ -20,6 +22,28 @@ def test_unknown_model_names_the_known_ones():
     ("gpt2-small", 124_439_808)])
 def test_parameter_counts_match_the_published_models(name, params):
     assert models.get(name).param_count() == params
+
+
+@pytest.mark.parametrize("name, billions", [("deepseek-v2-lite-16b", 15.7), ("deepseek-v2-236b", 235.7),
+                                             ("deepseek-v3-671b", 671.0)])
+def test_deepseek_parameter_counts_match_the_published_totals(name, billions):
+    """The published totals (V3's 671B without its multi-token-prediction module), to the reported precision."""
+    assert round(models.get(name).param_count() / 1e9, 1) == billions
+
+
+def test_deepseek_routing_chooses_top_k_and_only_the_bias_moves_the_choice():
+    spec = models.get("deepseek-tiny")
+    module = spec.build(device="cpu", dtype=torch.float64)
+    router = module.layers[1].mlp.gate
+    x = torch.randn(6, spec.config.d_model, dtype=torch.float64)
+    gates, mask, scores = router(x)
+    assert torch.equal(mask.sum(-1), torch.full((6,), 2.0, dtype=torch.float64))
+    assert torch.allclose(gates.sum(-1), torch.ones(6, dtype=torch.float64))          # renormalised (V3)
+    assert torch.equal(gates > 0, mask > 0)
+    with torch.no_grad():
+        router.bias.copy_(torch.tensor([0.0, 0.0, 0.0, 10.0]))        # expert 3 always chosen
+    assert torch.equal(router(x)[1][:, 3], torch.ones(6, dtype=torch.float64))
+    assert torch.equal(router(x)[2], scores)                          # the scores do not see the bias
 
 
 def test_llama3_8b_dims():

@@ -5,6 +5,7 @@ import copy
 import json
 
 import pytest
+import torch
 
 import tv_ray
 import tv_ray.models
@@ -153,6 +154,10 @@ def test_reduce_scatter_over_wrong_axis_deviates(base_plan):
     ("dp=2", {"sp": True}, "--sp (sequence parallel) needs tp > 1: it shards the sequence over tp"),
     ("dp=2,xp=2", {}, "parallel spec 'dp=2,xp=2': 'xp=2' is not one of dp=N, tp=N, pp=N, mb=N, cp=N, ep=N"),
     ("dp=2", {"zero": 4}, "--zero 4: ZeRO stage must be 0, 1, 2 or 3"),
+    ("dp=2,ep=2", {}, "parallel spec dp=2,ep=2: ep > 1 needs a model with routed experts (a MoE model)"),
+    ("dp=2,ep=4", {}, "ep = 4 must divide dp = 2: expert parallelism is carved out of the data-parallel ranks"),
+    ("dp=2,cp=2", {}, "cp: the plan format expresses it, but the built-in recipe does not build it yet; write "
+                      "the plan by hand"),
 ])
 def test_impossible_configs_are_refused(llama_sgd, spec, flags, message):
     with pytest.raises(ParallelConfigError) as err:
@@ -181,3 +186,21 @@ def test_deeper_pipelines_run_1f1b_without_deadlock(spec, flags):
     plan = tv_ray.parallelize(graph, spec, model=model, **flags)
     assert sorted(plan.programs) == ["stage0", "stage1", "stage2", "stage3"]
     assert _worst(plan, seed=5) == {}
+
+
+def test_samples_are_cut_over_dp_and_a_buffer_without_samples_is_whole():
+    """A module's data at constant shapes is cut over dp (dim 0); a named-dims buffer with no batch dim (the
+    router's correction bias) is held whole by every rank."""
+    class Square(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Linear(4, 4, bias=False)
+
+        def forward(self, x):
+            return self.w(x).pow(2).mean()
+    graph = tv_ray.capture_step(Square().double(), (torch.randn(8, 4, dtype=torch.float64),))
+    plan = tv_ray.parallelize(graph, "dp=2")
+    assert [(e.tensor, e.slice) for e in plan.lineage if e.tensor == "x"] == [("x", ((0, ("dp",)),))]
+    moe = tv_ray.parallelize(tv_ray.capture_step("deepseek-tiny"), "dp=4,ep=2", model="deepseek-tiny")
+    assert [e.slice for e in moe.lineage if e.tensor == "layers.1.mlp.gate.bias"] == [()]
+    assert [e.slice for e in moe.lineage if e.tensor == "tokens"] == [((0, ("dp", "ep")),)]

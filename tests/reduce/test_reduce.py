@@ -7,6 +7,7 @@ import json
 import pytest
 
 import tv_ray
+import tv_ray.models as models
 from tv_ray.errors import ShapeError
 from tv_ray.ir.dims import Expr
 from tv_ray.semantics import check_graph
@@ -61,6 +62,18 @@ def test_gpt2_tiny_reduces_and_still_simulates(gpt2_plan):
     assert sum(reduction.reduced.values()) < sum(gpt2_plan.dims.values())
     result = tv_ray.simulate(gpt2_plan, seed=0, dims=reduction.reduced)
     assert result.ok(1e-9), result.max_abs_dev()
+
+
+def test_a_routing_choice_keeps_more_experts_than_it_picks():
+    """deepseek-tiny at 8 experts, top-2 of them: the reduction keeps 3, so routing stays a choice."""
+    spec = models.get("deepseek-tiny").with_dims(experts=8)
+    plan = tv_ray.parallelize(tv_ray.capture_step(spec), "dp=2,ep=2", model="deepseek-tiny", dims=spec.dims)
+    reduction = reduce_plan(plan)
+    _check_reduction(plan, reduction)
+    assert reduction.reduced["experts"] == 4      # ep = 2 must divide it: 3 would not
+    order = next(c for c in reduction.conditions if c.text == "3 <= experts")
+    assert order.sources[0]["why"].startswith("topk picks among more than k along dim 1")
+    assert tv_ray.simulate(plan, seed=0, dims=reduction.reduced).ok(1e-9)
 
 
 @pytest.mark.parametrize("which", ["llama_plan", "gpt2_plan"])

@@ -162,6 +162,8 @@ CASES = [
     (Op.INDEX_ADD, {"dim": 1}, [R(2, 4), A([3, 1]), R(2, 2)], lambda x, i, s: torch.index_add(x, 1, i, s)),
     (Op.TOPK_VALUES, {"k": 2, "dim": -1}, [R(3, 6)], lambda x: torch.topk(x, 2, -1)[0]),
     (Op.TOPK_INDICES, {"k": 3, "dim": 0}, [R(4, 5)], lambda x: torch.topk(x, 3, 0)[1]),
+    (Op.TOPK_MASK, {"k": 2, "dim": -1}, [R(3, 6)],
+     lambda x: torch.zeros_like(x).scatter(-1, torch.topk(x, 2, -1).indices, 1.0)),
     (Op.AXIS_INDEX, {"axes": ["dp", "tp"]}, [], lambda: torch.tensor(1 * 3 + 2)),
     (Op.AXIS_INDEX, {"axes": ["tp"]}, [], lambda: torch.tensor(2)),
     (Op.LOCAL_CHUNK, {"dim": 1, "axes": ["dp", "tp"]}, [R(2, 12)], lambda x: torch.chunk(x, 6, 1)[5]),

@@ -42,6 +42,7 @@ class Converter:
         self.nodes: list[Node] = []
         self.names: dict[str, str | tuple[str, ...]] = {}   # fx name -> IR name (tuple: multi-output)
         self.empty: dict[str, str] = {}                     # fx name of empty_like -> its template
+        self.topk: dict[str, tuple[str, dict]] = {}         # fx name of topk -> (IR input, attrs)
         self.fx: torch.fx.Node | None = None
 
     # -- used by converters -------------------------------------------------------
@@ -54,6 +55,9 @@ class Converter:
         name = self.names.get(value.name)
         if not isinstance(name, str):
             raise self.error(f"argument {value.name} has no single IR value ({name!r})")
+        if name.endswith(".indices") and name[:-len(".indices")] in self.topk:
+            raise self.error(f"reads the indices of {name[:-len('.indices')]}: a top-k's indices are supported "
+                             f"only scattered as ones into zeros shaped like its input (a routing mask)")
         return name
 
     def emit(self, op: Op, args: list[str], attrs: dict | None = None, suffix: str = "",
@@ -101,7 +105,7 @@ class Converter:
 
     # -- the walk -------------------------------------------------------------------
     def run(self) -> Graph:
-        inputs = self._walk()
+        inputs = _module_order(self._walk(), set(self.joint.buffers))
         return Graph(tuple(inputs), tuple(self.nodes), tuple(self._outputs()), name="logical")
 
     def _walk(self) -> list[TensorSpec]:
@@ -139,6 +143,19 @@ class Converter:
         dtype = dtype_name(val.dtype, name)
         return TensorSpec(name, tuple(map(_expr, shape)), dtype, role,
                           _expr(self.int_highs[name]) if name in self.int_highs else None)
+
+
+def _module_order(inputs: list[TensorSpec], buffers: set[str]) -> list[TensorSpec]:
+    """Each buffer right after its module's last parameter, as a module's state dict orders them (a joint graph
+    puts every buffer after every parameter), so that one layer's inputs stay together for layer extrapolation."""
+    out = [s for s in inputs if s.name not in buffers]
+    for position, spec in enumerate(inputs):
+        if spec.name in buffers:
+            module = spec.name.rpartition(".")[0] + "."
+            at = max((i + 1 for i, s in enumerate(out) if s.name.startswith(module)),
+                     default=sum(s.name not in buffers for s in inputs[:position]))
+            out.insert(at, spec)
+    return out
 
 
 def _expr(value) -> Expr:
@@ -519,6 +536,32 @@ def _masked_put(cv: Converter, x, mask, values):
     return cv.emit(Op.WHERE, [mask_full, fill, cv.arg(x)])
 
 
+def _topk(cv: Converter, x, k, dim=-1, largest=True, sorted=True):
+    """top-k along a dim: its values (an op of their own); its indices only as a routing mask — scattered as
+    ones into zeros shaped like x (`_scatter`) — for the IR has no symbolic integer index chosen by real values."""
+    if not largest:
+        raise cv.error("topk(largest=False) is not supported")
+    attrs = {"k": int(k), "dim": _dim(cv, x, dim)}
+    read = any(u.target is operator.getitem and u.args[1] == 0 and u.users for u in cv.fx.users)
+    values = cv.emit(Op.TOPK_VALUES, [cv.arg(x)], attrs, suffix="_values", val=cv.fx.meta["val"][0]) if read \
+        else None
+    cv.topk[cv.fx.name] = (cv.arg(x), attrs)
+    cv.alias((values, f"{cv.fx.name}.indices"))
+
+
+def _routing_mask(cv: Converter, x, dim, index, src) -> str | None:
+    """scatter(zeros like s, dim, topk(s, k, dim).indices, 1.0) as topk_mask(s, k, dim); else None."""
+    made = index.args[0] if index.target is operator.getitem and index.args[1] == 1 else None
+    if made is None or made.name not in cv.topk or src != 1 or not isinstance(x, torch.fx.Node):
+        return None
+    scores, attrs = cv.topk[made.name]
+    zeros = next((n for n in cv.nodes if n.name == cv.arg(x)), None)
+    same = (zeros is not None and zeros.op in (Op.FULL, Op.FULL_LIKE) and zeros.attr["value"] == 0
+            and tuple(x.meta["val"].shape) == tuple(made.args[0].meta["val"].shape)
+            and _dim(cv, x, dim) == attrs["dim"])
+    return cv.emit(Op.TOPK_MASK, [scores], attrs) if same else None
+
+
 def _gather(cv: Converter, x, dim, index, sparse_grad=False):
     return cv.emit(Op.GATHER, [cv.arg(x), cv.arg(index)], {"dim": _dim(cv, x, dim)})
 
@@ -526,6 +569,8 @@ def _gather(cv: Converter, x, dim, index, sparse_grad=False):
 def _scatter(op: Op) -> Callable:
     """scatter / scatter_add of a source tensor, or scatter of a scalar value (a tensor of it shaped like index)."""
     def convert(cv: Converter, x, dim, index, src):
+        if op == Op.SCATTER and (mask := _routing_mask(cv, x, dim, index, src)) is not None:
+            return mask
         if not isinstance(src, torch.fx.Node):
             src = cv.emit(Op.FULL, [], {"size": list(index.meta["val"].shape), "value": _scalar(src),
                                         "dtype": dtype_name(x.meta["val"].dtype, cv.fx.name)},
@@ -634,6 +679,7 @@ CONVERTERS: dict[Any, Callable] = {
     aten.mean.default: _reduce(Op.MEAN),
     aten.amax.default: _reduce(Op.AMAX),
     aten.max.dim: _max_dim,
+    aten.topk.default: _topk,
     aten.index.Tensor: _index,
     aten.linalg_vector_norm.default: _vector_norm,
     # softmax and loss

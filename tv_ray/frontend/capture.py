@@ -25,7 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from tv_ray.errors import CaptureError
 from tv_ray.frontend.aten import Converter
 from tv_ray.frontend.fit import fit_graphs
-from tv_ray.frontend.layers import PROBE_LAYERS, extrapolate as extrapolate_layers
+from tv_ray.frontend.layers import extrapolate as extrapolate_layers, probe_layers
 from tv_ray.frontend.trace import fake_inputs, trace_joint
 from tv_ray.ir import Graph
 from tv_ray.models.spec import ModelSpec
@@ -125,10 +125,11 @@ def capture(model: ModelSpec | torch.nn.Module, inputs: Sequence[torch.Tensor] |
             raise CaptureError(f"capture({model.name}): a ModelSpec makes its own inputs; pass "
                                f"spec.build(...) and inputs to capture a module at fixed inputs")
         layers = getattr(model.config, "layers", None)
-        if extrapolate and isinstance(layers, int) and layers > max(PROBE_LAYERS):
-            depths = [model.with_dims(layers=k) for k in PROBE_LAYERS]
+        probes_at = probe_layers(getattr(model.config, "repeats_from", 2))
+        if extrapolate and isinstance(layers, int) and layers > max(probes_at):
+            depths = [model.with_dims(layers=k) for k in probes_at]
             _prefetch([(spec, table) for spec in depths for table in spec.probe_dims()])
-            probes = {k: capture_symbolic(spec) for k, spec in zip(PROBE_LAYERS, depths)}
+            probes = {k: capture_symbolic(spec) for k, spec in zip(probes_at, depths)}
             return extrapolate_layers(probes, layers, model.name)
         return capture_symbolic(model)
     if isinstance(model, torch.nn.Module):

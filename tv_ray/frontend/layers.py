@@ -24,6 +24,11 @@ layers, find what the third layer adds, and repeat that:
 - *check*: repeated to 4 layers, the pattern must equal a real 4-layer capture
   node for node, up to node names. Otherwise the layers do not repeat and we
   refuse; ``capture(spec, extrapolate=False)`` traces every layer instead.
+
+A model whose first layers differ (DeepSeek-V3's three dense layers before
+the MoE ones) is captured at b, b + 1 and b + 2 layers instead, b the first
+layer whose predecessor is its twin (its config's ``repeats_from``): the
+layers before b are context like the embedding.
 """
 from __future__ import annotations
 
@@ -35,7 +40,9 @@ from typing import Mapping, Sequence
 from tv_ray.errors import CaptureError, GraphError
 from tv_ray.ir import Graph, Node, TensorSpec, check_names, describe
 
-PROBE_LAYERS = (2, 3, 4)
+def probe_layers(first: int = 2) -> tuple[int, int, int]:
+    """The depths captured when the new layer of the middle capture is layer `first` (its twin `first` - 1)."""
+    return first, first + 1, first + 2
 
 # How a block node's argument is read by the copy for layer j (of `newest` + 1 layers).
 OWN = "own"          # the layer's own node: copy j's
@@ -89,28 +96,29 @@ def _new_names(old: Sequence[str], new: Sequence[str], what: str) -> list[str]:
     return [new[i] for i in extra]
 
 
-def _container(new_inputs: Sequence[str], old_inputs: set[str]) -> str:
-    """The module path holding the layers: every new input is ``<container>.2.<rest>``, ``<container>.1.<rest>`` is old."""
+def _container(new_inputs: Sequence[str], old_inputs: set[str], new: int) -> str:
+    """The module path holding the layers: every new input is ``<container>.<new>.<rest>`` and
+    ``<container>.<new - 1>.<rest>`` is old."""
     found = None
     for name in new_inputs:
-        here = {name[:m.start() - 1] for m in re.finditer(r"(?<=\.)2(?=\.)", name)
-                if name[:m.start()] + "1" + name[m.end():] in old_inputs}
+        here = {name[:m.start() - 1] for m in re.finditer(rf"(?<=\.){new}(?=\.)", name)
+                if name[:m.start()] + str(new - 1) + name[m.end():] in old_inputs}
         found = here if found is None else found & here
     if not found or len(found) != 1:
         raise CaptureError(f"layer block: the 3-layer capture's new inputs {list(new_inputs)} are not the "
-                           f"parameters <container>.2.* of one layer container")
+                           f"parameters <container>.{new}.* of one layer container")
     return found.pop()
 
 
 class _Namer:
     """Layer index substitution in module paths, parameter and output names."""
 
-    def __init__(self, container: str):
-        self.container = container
-        self.pattern = re.compile(rf"(^|/){re.escape(container)}\.2(?=\.|$)")
+    def __init__(self, container: str, new: int):
+        self.container, self.new = container, new
+        self.pattern = re.compile(rf"(^|/){re.escape(container)}\.{new}(?=\.|$)")
 
     def at(self, text: str, layer: int) -> str:
-        return self.pattern.sub(rf"\g<1>{self.container}.{layer}", text) if layer != 2 else text
+        return self.pattern.sub(rf"\g<1>{self.container}.{layer}", text) if layer != self.new else text
 
     def has(self, text: str) -> bool:
         return bool(self.pattern.search(text))
@@ -178,9 +186,10 @@ class LayerPattern:
 
     def graph(self, layers: int) -> Graph:
         """The graph with `layers` layers (>= 2): copies of the block for layers 2..layers-1."""
-        if layers < 2:
-            raise CaptureError(f"layer extrapolation starts from 2 layers, asked for {layers}")
-        if layers == 2:
+        first = self.namer.new
+        if layers < first:
+            raise CaptureError(f"layer extrapolation starts from {first} layers, asked for {layers}")
+        if layers == first:
             return self.two
         newest = layers - 1
         layer_one = set(self.counterpart.values())
@@ -193,7 +202,7 @@ class LayerPattern:
                 nodes.append(self._context(three[i], newest, three[i].name in layer_one))
                 i += 1
                 continue
-            order = range(newest, 1, -1) if run.reversed else range(2, newest + 1)
+            order = range(newest, first - 1, -1) if run.reversed else range(first, newest + 1)
             for j in order:
                 nodes.extend(self._copy(three[t], j, newest) for t in range(run.start, run.stop))
             i = run.stop
@@ -206,7 +215,7 @@ class LayerPattern:
 
     # -- the pieces of graph(k) ------------------------------------------------------------
     def _name(self, node: str, layer: int) -> str:
-        return node if layer == 2 else f"{node}_l{layer}"
+        return node if layer == self.namer.new else f"{node}_l{layer}"
 
     def _copy(self, node: Node, layer: int, newest: int) -> Node:
         args = []
@@ -218,17 +227,19 @@ class LayerPattern:
             elif read.kind == SHARED:
                 args.append(read.name)
             elif read.kind == PREV:
-                args.append(self._name(read.name, layer - 1) if layer > 2 else self.counterpart[read.name])
+                args.append(self._name(read.name, layer - 1) if layer > self.namer.new else self.counterpart[read.name])
             else:
                 args.append(self._name(read.name, layer + 1) if layer < newest else read.fallback)
         meta = tuple((k, self.namer.at(v, layer) if k == "module" else v) for k, v in node.meta)
         return Node(self._name(node.name, layer), node.op, tuple(args), node.attrs, node.shape, node.dtype, meta)
 
     def _context(self, node: Node, newest: int, in_layer_one: bool) -> Node:
-        """A node outside the block: its reads of the block go to layer 2 (from layer 1) or to the newest layer."""
+        """A node outside the block: its reads of the block go to the first copy (from its twin layer) or to the
+        newest layer."""
         if not any(a in self.reads for a in node.args):
             return node
-        args = tuple(self._name(a, 2 if in_layer_one else newest) if a in self.reads else a for a in node.args)
+        args = tuple(self._name(a, self.namer.new if in_layer_one else newest) if a in self.reads else a
+                     for a in node.args)
         return Node(node.name, node.op, args, node.attrs, node.shape, node.dtype, node.meta)
 
     def _inputs(self, newest: int) -> tuple[TensorSpec, ...]:
@@ -236,7 +247,8 @@ class LayerPattern:
         for spec in self.three.inputs:
             if spec.name == self.new_inputs[0]:
                 out += [TensorSpec(self.namer.at(s.name, j), s.shape, s.dtype, s.role, s.high, s.positive)
-                        for j in range(2, newest + 1) for s in self.three.inputs if s.name in self.new_inputs]
+                        for j in range(self.namer.new, newest + 1) for s in self.three.inputs
+                        if s.name in self.new_inputs]
             elif spec.name not in self.new_inputs:
                 out.append(spec)
         return tuple(out)
@@ -247,16 +259,16 @@ class LayerPattern:
         for name, value in self.three.outputs:
             if name == self.new_outputs[0]:
                 out += [(self.namer.at(n, j), self._name(v, j) if v in self.reads else self.namer.at(v, j))
-                        for j in range(2, newest + 1) for n, v in self.three.outputs if n in new]
+                        for j in range(self.namer.new, newest + 1) for n, v in self.three.outputs if n in new]
             elif name not in new:
                 out.append((name, self._name(value, newest) if value in self.reads else value))
         return tuple(out)
 
 
-def find_pattern(two: Graph, three: Graph) -> LayerPattern:
-    """The layer block of `three` (3 layers) relative to `two` (2 layers); CaptureError if there is none."""
+def find_pattern(two: Graph, three: Graph, new: int = 2) -> LayerPattern:
+    """The layer block of `three` (one layer more, layer `new`) relative to `two`; CaptureError if there is none."""
     new_inputs = _new_names([s.name for s in two.inputs], [s.name for s in three.inputs], "inputs")
-    namer = _Namer(_container(new_inputs, {s.name for s in two.inputs}))
+    namer = _Namer(_container(new_inputs, {s.name for s in two.inputs}, new), new)
     old_specs = {s.name: s for s in two.inputs}
     for spec in three.inputs:
         if spec.name in old_specs and spec != old_specs[spec.name]:
@@ -290,7 +302,8 @@ def _layer_runs(three: Graph, spans: Sequence[tuple[int, int]], block: set[str],
     def matches(run: Run) -> bool:
         if run.twin < 0 or run.twin + run.stop - run.start > len(nodes):
             return False
-        return all(twin.name not in block and _key(twin) == _key(three.value(b), namer.module_at(three.value(b), 1))
+        return all(twin.name not in block and
+                   _key(twin) == _key(three.value(b), namer.module_at(three.value(b), namer.new - 1))
                    for b, twin in run.pairs(nodes).items())
 
     options = []
@@ -317,7 +330,7 @@ def _reads(node: Node, three: Graph, block: set[str], counterpart: Mapping[str, 
         if arg in block:
             read = Read(OWN, arg) if other == counterpart[arg] else None
         elif arg in new_inputs:
-            read = Read(PARAM, arg) if other == namer.at(arg, 1) else None
+            read = Read(PARAM, arg) if other == namer.at(arg, namer.new - 1) else None
         elif arg == other:
             read = Read(SHARED, arg)
         elif arg in layer_one:
@@ -361,7 +374,8 @@ def first_difference(made: Graph, real: Graph) -> str | None:
 
 
 def extrapolate(graphs: Mapping[int, Graph], layers: int, model: str) -> Graph:
-    """The `layers`-layer graph from the captures at 2, 3 and 4 layers, checked on the 4-layer one.
+    """The `layers`-layer graph from the captures at b, b + 1 and b + 2 layers (`probe_layers`; b = 2 unless the
+    first layers differ, as DeepSeek-V3's dense ones), checked on the deepest.
 
     Example::
 
@@ -369,12 +383,13 @@ def extrapolate(graphs: Mapping[int, Graph], layers: int, model: str) -> Graph:
     """
     advice = (f"the layers of {model} do not repeat exactly; capture it layer by layer with "
               f"capture(spec, extrapolate=False) (slower: every layer is traced)")
+    first = min(graphs)
     try:
-        pattern = find_pattern(graphs[2], graphs[3])
+        pattern = find_pattern(graphs[first], graphs[first + 1], new=first)
     except CaptureError as err:
         raise CaptureError(f"capture({model}, layers={layers}): layer extrapolation refused — {err}; "
                            f"{advice}") from None
-    difference = first_difference(pattern.graph(4), graphs[4])
+    difference = first_difference(pattern.graph(first + 2), graphs[first + 2])
     if difference is not None:
         raise CaptureError(f"capture({model}, layers={layers}): layer extrapolation refused — the layer block of "
                            f"the 2- and 3-layer captures, repeated to 4 layers, differs from the 4-layer capture at "

@@ -104,6 +104,7 @@ class Joint:
     loss: str                        # node holding the loss
     grads: dict[str, str]            # parameter path -> node holding its gradient
     provenance: dict[str, tuple[str, str]]  # node -> (module path, "fwd" | "bwd")
+    buffers: tuple[str, ...] = ()    # the buffers' paths (data inputs)
 
 
 class _LossTuple(torch.nn.Module):
@@ -203,7 +204,7 @@ def _joint(graph: torch.fx.GraphModule, wrapper: torch.nn.Module, arg_names: lis
                  user_inputs={node.name: name for node, name in zip(placeholders[len(params):held] + args,
                                                                     buffers + arg_names)}, loss=outputs[0].name,
                  grads={path: grad.name for path, grad in grads.items() if path not in tied},
-                 provenance=_provenance(graph))
+                 provenance=_provenance(graph), buffers=tuple(buffers))
 
 
 def _untie(graph: torch.fx.GraphModule, placeholders, params, grads: dict) -> set[str]:

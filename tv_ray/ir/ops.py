@@ -87,6 +87,7 @@ class Op(str, enum.Enum):
     INDEX_ADD = "index_add"                       # (x, index, src) attrs: dim
     TOPK_VALUES = "topk_values"                   # (x) attrs: k, dim
     TOPK_INDICES = "topk_indices"                 # (x) attrs: k, dim
+    TOPK_MASK = "topk_mask"                       # (x) attrs: k, dim -> float 1 at each of the k largest, else 0
     # rank-local views of the mesh
     AXIS_INDEX = "axis_index"                     # () attrs: axes -> the rank's coordinate (int scalar)
     LOCAL_CHUNK = "local_chunk"                   # (x) attrs: dim, axes -> this rank's chunk of x
@@ -201,6 +202,7 @@ ATTRS: Mapping[Op, Mapping[str, tuple[AttrKind, bool]]] = {
     Op.INDEX_ADD: {"dim": ("int", REQUIRED)},
     Op.TOPK_VALUES: {"k": ("expr", REQUIRED), "dim": ("int", REQUIRED)},
     Op.TOPK_INDICES: {"k": ("expr", REQUIRED), "dim": ("int", REQUIRED)},
+    Op.TOPK_MASK: {"k": ("expr", REQUIRED), "dim": ("int", REQUIRED)},
     Op.AXIS_INDEX: {"axes": ("axes", REQUIRED)},
     Op.LOCAL_CHUNK: {"dim": ("int", REQUIRED), "axes": ("axes", REQUIRED)},
     Op.ALL_REDUCE: {"axes": ("axes", REQUIRED), "reduce": ("str", REQUIRED)},
@@ -226,7 +228,7 @@ ARITY: Mapping[Op, tuple[int, ...] | None] = {
     Op.NLL_LOSS: (2,), Op.NLL_LOSS_TOTAL_WEIGHT: (1,), Op.NLL_LOSS_BACKWARD: (4,),
     Op.EMBEDDING: (2,), Op.EMBEDDING_BACKWARD: (2,),
     Op.GATHER: (2,), Op.SCATTER: (3,), Op.SCATTER_ADD: (3,), Op.INDEX_SELECT: (2,), Op.INDEX_ADD: (3,),
-    Op.TOPK_VALUES: (1,), Op.TOPK_INDICES: (1,),
+    Op.TOPK_VALUES: (1,), Op.TOPK_INDICES: (1,), Op.TOPK_MASK: (1,),
     Op.AXIS_INDEX: (0,), Op.LOCAL_CHUNK: (1,),
     **{op: (1,) for op in COLLECTIVES},
     Op.SEND: (1,), Op.RECV: (0,),

@@ -110,11 +110,11 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, d_model: int, ffn: int):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.d_model, cfg.ffn, bias=False)
-        self.up_proj = nn.Linear(cfg.d_model, cfg.ffn, bias=False)
-        self.down_proj = nn.Linear(cfg.ffn, cfg.d_model, bias=False)
+        self.gate_proj = nn.Linear(d_model, ffn, bias=False)
+        self.up_proj = nn.Linear(d_model, ffn, bias=False)
+        self.down_proj = nn.Linear(ffn, d_model, bias=False)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -126,7 +126,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.eps)
-        self.mlp = SwiGLU(cfg)
+        self.mlp = SwiGLU(cfg.d_model, cfg.ffn)
 
     def forward(self, x, cos, sin, mask):
         x = x + self.attn(self.attn_norm(x), cos, sin, mask)

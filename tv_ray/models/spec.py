@@ -19,11 +19,15 @@ from tv_ray.errors import TvRayError
 # get twice a prime). Table B uses primes disjoint from table A's, so the ratio
 # of a value between A and B factors uniquely into dim exponents; table C is a
 # permutation of A's primes and only checks the fit.
-_ODD_PRIMES = (3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 73)
+_ODD_PRIMES = (3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 73, 79, 83, 89, 97,
+               101, 103, 107, 109)
 
 
-def probe_tables(dim_names: tuple[str, ...], even: tuple[str, ...] = ()) -> tuple[dict[str, int], ...]:
-    """Three small dims tables, every dim >= 3 (or 6 if even) and distinct within a table."""
+def probe_tables(dim_names: tuple[str, ...], even: tuple[str, ...] = (),
+                 at_least: Mapping[str, int] | None = None) -> tuple[dict[str, int], ...]:
+    """Three small dims tables, every dim >= 3 (or 6 if even) and distinct within a table; a dim named in
+    `at_least` trades its value with the table's largest where it would fall below its bound (a top-k's
+    experts), which keeps every property above."""
     n = len(dim_names)
     if 2 * n > len(_ODD_PRIMES):
         raise TvRayError(f"probe_tables: {n} dims need {2 * n} distinct primes; extend _ODD_PRIMES")
@@ -31,6 +35,14 @@ def probe_tables(dim_names: tuple[str, ...], even: tuple[str, ...] = ()) -> tupl
     c_primes = a_primes[1:] + a_primes[:1]
 
     def table(primes):
+        primes = list(primes)
+        for d, low in (at_least or {}).items():
+            i = dim_names.index(d)
+            if primes[i] * (2 if d in even else 1) < low:
+                j = max(range(n), key=primes.__getitem__)
+                primes[i], primes[j] = primes[j], primes[i]
+                if primes[i] * (2 if d in even else 1) < low:
+                    raise TvRayError(f"probe_tables: no probe value of {d} reaches {low}; extend _ODD_PRIMES")
         return {d: p * (2 if d in even else 1) for d, p in zip(dim_names, primes)}
 
     return table(a_primes), table(b_primes), table(c_primes)
@@ -82,7 +94,8 @@ class ModelSpec:
 
     def probe_dims(self) -> tuple[dict[str, int], ...]:
         """Three small dims tables at which the capture fits shape expressions."""
-        return probe_tables(self.dim_names, getattr(type(self.config), "EVEN_DIMS", ()))
+        return probe_tables(self.dim_names, getattr(type(self.config), "EVEN_DIMS", ()),
+                            getattr(self.config, "min_dims", None))
 
     # -- torch -----------------------------------------------------------------
     def build(self, dims: Mapping[str, int] | None = None, device: str | torch.device = "meta",

@@ -16,11 +16,12 @@ from typing import Any, Mapping
 from tv_ray.errors import ParallelConfigError
 from tv_ray.ir.dims import Expr
 from tv_ray.ir.graph import Graph, Node, TensorSpec
-from tv_ray.ir.ops import Op
+from tv_ray.ir.ops import BINARY, UNARY, Op
 from tv_ray.parallel.layout import Factor, Layout, axis_product, canonical, check_divides
 from tv_ray.parallel.rules import Env, decide
 
 MB = "mb"
+DISPATCH_AXES = frozenset({"ep"})      # axes an all_to_all moves between dims (`Lowering._moves`)
 SHAPE_ATTR = {Op.VIEW: "size", Op.EXPAND: "size", Op.FULL: "size", Op.SLICE_BACKWARD: "input_size"}
 
 
@@ -85,6 +86,9 @@ class Lowering:
         # what each local name holds: (logical tensor, layout, microbatch copy or None) — intermediate lineage
         self.holds: dict[str, tuple[str, Layout, int | None]] = {}
         self._mb: dict[str, int] = {}         # name -> the microbatch whose copy it is (meta `mb`)
+        self.shapes: dict[str, tuple[Expr, ...]] = {}   # every local name's shape
+        self._made: dict[str, Node] = {}       # local name -> the op that made it
+        self._constant: dict[tuple[str, int], bool] = {}
 
     # -- building blocks ---------------------------------------------------------------
     def _fresh(self, base: str) -> str:
@@ -111,8 +115,13 @@ class Lowering:
             meta["mb"] = copies.pop()
         if "mb" in meta:
             self._mb[name] = meta["mb"]
-        self.nodes.append(Node.make(name, op, args, attrs, shape, dtype, meta))
+        self._append(Node.make(name, op, args, attrs, shape, dtype, meta))
         return name
+
+    def _append(self, node: Node) -> None:
+        self.nodes.append(node)
+        self.shapes[node.name] = node.shape
+        self._made[node.name] = node
 
     def local_shape(self, layout: Layout) -> tuple[Expr, ...]:
         shape = self._shapes.get(layout)
@@ -135,6 +144,7 @@ class Lowering:
         for name in names:
             self.inputs.append(TensorSpec(name, self.local_shape(layout), spec.dtype, spec.role,
                                           spec.high, spec.positive))
+            self.shapes[name] = self.local_shape(layout)
         local = Local(layout, names, spec.dtype)
         self.values[spec.name] = self._hold(local, spec.name)
         return local
@@ -169,6 +179,10 @@ class Lowering:
                 lay = Layout(tuple(dims), cur.layout.partial).with_partial(
                     {x: k for x, k in cur.layout.partial if x != a})
                 cur = self._collective(cur, Op.REDUCE_SCATTER, {"axes": [a], "dim": d, "reduce": kind}, lay, meta)
+        for axis, i, j in self._moves(cur.layout, dst):
+            lay = cur.layout.with_dim(i, [Factor(cur.layout.dims[i][0].size, cur.layout.dim_axes(i)[:-1])])
+            cur = self._collective(cur, Op.ALL_TO_ALL, {"axes": [axis], "split_dim": j, "concat_dim": i},
+                                   lay.with_dim(j, dst.dims[j]), meta)
         # all gathers before any chunk: an axis may cut only one dim at a time
         for gather in (True, False):
             for d in range(dst.rank):
@@ -181,6 +195,22 @@ class Lowering:
     def _logical_of(self, v: Local) -> str | None:
         held = self.holds.get(v.names[0])
         return held[0] if held else None
+
+    @staticmethod
+    def _moves(src: Layout, dst: Layout) -> list[tuple[str, int, int]]:
+        """Expert-parallel axes that leave dim i for dim j, (axis, i, j): one all_to_all each (split j, concat i),
+        not a gather of i and a chunk of j — an expert layer's dispatch, each ep peer sent the tokens for its
+        experts. Only where both dims are one factor, the axis innermost on i in `src` and added innermost on j
+        in `dst`. (Other axes keep the gather and chunk: a ZeRO-3 weight moving its dp cut stays as before.)"""
+        moves = []
+        for axis in sorted(src.axes() & dst.axes() & DISPATCH_AXES - {a for a, _ in src.partial}):
+            i, j = src.sharded_dim(axis), dst.sharded_dim(axis)
+            if i == j or j is None or src.dim_axes(j) + (axis,) != dst.dim_axes(j):
+                continue
+            single = len(src.dims[i]) == len(src.dims[j]) == len(dst.dims[j]) == 1
+            if single and src.dim_axes(i)[-1] == axis and src.dims[j][0].size == dst.dims[j][0].size:
+                moves.append((axis, i, j))
+        return moves
 
     def _scatter_dim(self, src: Layout, dst: Layout, axis: str) -> int | None:
         """The dim where `dst` cuts `axis` on the first factor just inside `src`'s cuts (a reduce_scatter)."""
@@ -277,14 +307,70 @@ class Lowering:
                 return tuple(self._emit(self._fresh(base), Op.SLICE, [name],
                                         {"dim": dim, "start": length * m, "end": length * (m + 1), "step": 1},
                                         sub_shape, v.dtype, meta) for m in range(self.microbatches))
-            op, attrs = (Op.ALL_GATHER, {"axes": [axis], "dim": dim}) if gather else \
-                (Op.LOCAL_CHUNK, {"dim": dim, "axes": [axis]})
-            return tuple(self._emit(self._fresh(base), op, [n], attrs, sub_shape, v.dtype, meta) for n in names)
+            if not gather:
+                return tuple(self._chunk(n, dim, axis, sub_shape, v.dtype, meta) for n in names)
+            return tuple(self._emit(self._fresh(base), Op.ALL_GATHER, [n], {"axes": [axis], "dim": dim}, sub_shape,
+                                    v.dtype, meta) for n in names)
 
         if not gather:
             check_divides(f.size, axis_product(new_axes, self.sizes), self.dims,
                           f"cutting {v.names[0]} dim {d} by {'.'.join(new_axes)}")
         return Local(out, around(v.names, body), v.dtype)
+
+    def _chunk(self, name: str, dim: int, axis: str, shape, dtype: str, meta) -> str:
+        """This rank's chunk of `name` along `dim` over `axis`. A value the same all along `dim` (the mean's
+        gradient, broadcast over the samples) is made again at the chunk's size from what it was broadcast from:
+        every chunk is the same, so nothing reads the rank's coordinate and a dp rank stays a mirror of dp rank 0
+        (`tv_ray.partition.symmetry`)."""
+        if self._constant_along(name, dim):
+            return self._rebuilt(name, dim, shape[dim])
+        return self._emit(self._fresh(name.split("~")[0].split("@")[0]), Op.LOCAL_CHUNK, [name],
+                          {"dim": dim, "axes": [axis]}, shape, dtype, meta)
+
+    def _rebuilt(self, name: str, dim: int, size: Expr) -> str:
+        """`name` (constant along `dim`) computed again with `dim` of size `size`: the ops back to the broadcast."""
+        made = self._made[name]
+        shape = tuple(size if d == dim else s for d, s in enumerate(made.shape))
+        attrs = dict(made.attrs)
+        if made.op == Op.UNSQUEEZE:
+            d = made.attr["dim"] % len(made.shape)
+            args = [self._rebuilt(made.args[0], dim - (dim > d), size)]
+        else:
+            args = []
+            for arg in made.args:
+                at = dim - (len(made.shape) - len(self.shapes[arg]))
+                broadcast = at < 0 or self.shapes[arg][at] == Expr.of(1)
+                args.append(arg if broadcast else self._rebuilt(arg, at, size))
+            if made.op == Op.EXPAND:
+                attrs["size"] = list(shape)
+        meta = {k: v for k, v in made.meta if k != "realises"}
+        return self._emit(self._fresh(name.split("~")[0].split("@")[0]), made.op, args, attrs, shape, made.dtype,
+                          meta)
+
+    def _constant_along(self, name: str, dim: int) -> bool:
+        """Is every slice of `name` along `dim` the same? Made by a broadcast there (an expand that adds the dim
+        or grows it from 1), through unsqueezes and elementwise ops whose operands are each such or size 1."""
+        key = (name, dim)
+        if key not in self._constant:
+            self._constant[key] = False         # a cycle cannot occur; this only bounds the walk
+            made = self._made.get(name)
+            if made is None:
+                found = False
+            elif made.op == Op.UNSQUEEZE:
+                d = made.attr["dim"] % len(made.shape)
+                found = dim == d or self._constant_along(made.args[0], dim - (dim > d))
+            elif made.op == Op.EXPAND or made.op in UNARY | BINARY:
+                found = True
+                for arg in made.args:
+                    source = self.shapes[arg]
+                    at = dim - (len(made.shape) - len(source))
+                    if at >= 0 and source[at] != Expr.of(1) and not self._constant_along(arg, at):
+                        found = False
+                        break
+            else:
+                found = False
+            self._constant[key] = found
+        return self._constant[key]
 
     # -- nodes ------------------------------------------------------------------------------
     def reduced(self, v: Local) -> Local:
@@ -318,8 +404,8 @@ class Lowering:
             name = f"{node.name}@{m}" if n > 1 else node.name
             # copies differ only in names and the microbatch: reuse the normalised attributes
             mmeta = first.meta if n == 1 else tuple(sorted({**dict(first.meta), "mb": m}.items()))
-            self.nodes.append(Node(name, node.op, tuple(a.name(m) for a in args), first.attrs, first.shape,
-                                   node.dtype, mmeta))
+            self._append(Node(name, node.op, tuple(a.name(m) for a in args), first.attrs, first.shape,
+                              node.dtype, mmeta))
             if n > 1:
                 self._mb[name] = m
             if dec.divide_by > 1:
@@ -344,4 +430,11 @@ class Lowering:
         return v
 
     def graph(self, name: str) -> Graph:
-        return Graph(tuple(self.inputs), tuple(self.nodes), tuple(self.outputs.items()), name)
+        """The program: every op some output reads (a value made again at a chunk's size leaves its full-size
+        original unread)."""
+        live = set(self.outputs.values())
+        for node in reversed(self.nodes):
+            if node.name in live:
+                live.update(node.args)
+        nodes = tuple(n for n in self.nodes if n.name in live)
+        return Graph(tuple(self.inputs), nodes, tuple(self.outputs.items()), name)

@@ -26,8 +26,10 @@ from tv_ray.plan_check import check_plan
 
 # Megatron tensor parallelism: which dim of a parameter tp cuts (torch Linear weights are [out, in]).
 TP_RULES: tuple[tuple[str, int], ...] = (
-    (r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj|c_fc)\.(weight|bias)$", 0),   # column parallel
+    (r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj|c_fc|q_b_proj|kv_b_proj)\.(weight|bias)$", 0),   # column parallel
     (r"\.(o_proj|down_proj|c_proj)\.weight$", 1),                                 # row parallel
+    (r"\.experts\.(w_gate|w_up)$", 1),                      # each routed expert column parallel (expert tp)
+    (r"\.experts\.w_down$", 2),                             # and row parallel
     (r"^lm_head\.weight$", 0),                                                    # vocab-split head
     (r"^(embed|wte)\.weight$", 0),                                                # vocab-split embedding
 )
@@ -63,12 +65,27 @@ def _cut(shape, cuts: Mapping[int, tuple[str, ...]]) -> Layout:
     return Layout.make([[Factor(Expr.of(size), cuts.get(d, ()))] for d, size in enumerate(shape)])
 
 
+EXPERTS = r"\.experts\."          # routed experts' stacked weights: dim 0 is the expert
+
+
+def mesh_sizes(spec: ParallelSpec) -> dict[str, int]:
+    """The plan's mesh axes and sizes, in MESH_ORDER; with ep, the axis dp is the expert-data-parallel part."""
+    sizes = {"pp": spec.pp, "dp": spec.edp, "cp": spec.cp, "ep": spec.ep, "tp": spec.tp}
+    return {a: sizes[a] for a in MESH_ORDER if sizes[a] > 1} or {"dp": 1}
+
+
 class Recipe:
-    """Where each logical input and output lives under a spec."""
+    """Where each logical input and output lives under a spec.
+
+    With expert parallelism the samples are cut over (dp, mb, ep): rank (d, e)'s microbatch m is block
+    (d, m, e) of the batch, so the ep ranks' m-th microbatches are one contiguous block — what an expert
+    layer gathers. Routed experts are cut over ep (dim 0); every other weight is replicated over dp × ep."""
 
     def __init__(self, graph: Graph, spec: ParallelSpec):
         self.graph, self.spec = graph, spec
-        self.dp = ("dp",) if spec.dp > 1 else ()
+        self.edp = ("dp",) if spec.edp > 1 else ()
+        self.ep = ("ep",) if spec.ep > 1 else ()
+        self.dp = self.edp + self.ep          # the data-parallel group of a dense weight
         self.mb = (MB,) if spec.mb > 1 else ()
         self.tp = ("tp",) if spec.tp > 1 else ()
 
@@ -81,17 +98,24 @@ class Recipe:
         return None
 
     def param_layout(self, spec: TensorSpec, zero_cut: bool) -> Layout:
+        """tp as TP_RULES says; a routed expert's weight over ep; ZeRO over the ranks that hold copies of it."""
         cuts: dict[int, tuple[str, ...]] = {}
         d = self.tp_dim(spec.name)
         if d is not None:
             cuts[d] = self.tp
-        if zero_cut and self.dp:
-            cuts[0] = cuts.get(0, ()) + self.dp
+        expert = re.search(EXPERTS, spec.name) is not None
+        if expert and self.ep:
+            cuts[0] = self.ep
+        copies = self.edp if expert else self.dp
+        if zero_cut and copies:
+            cuts[0] = cuts.get(0, ()) + copies
         return _cut(spec.shape, cuts)
 
     def input_layout(self, spec: TensorSpec) -> Layout:
-        if spec.role == "data":
-            return _cut(spec.shape, {0: self.dp + self.mb})
+        if spec.role == "data":         # samples cut over dp and microbatches; a buffer (no batch) whole
+            named = Expr.of(spec.shape[0]).free_dims if spec.shape else frozenset()
+            batched = spec.shape and (not named or "batch" in named)     # constant shapes: a module's own
+            return _cut(spec.shape, {0: self.edp + self.mb + self.ep}) if batched else Layout.replicated(spec.shape)
         if spec.role == "param":
             return self.param_layout(spec, self.spec.zero >= 3)
         if spec.role == "state":
@@ -121,7 +145,7 @@ class Recipe:
         if self.spec.sp:
             for node in self.graph.nodes:
                 if node.op == Op.EMBEDDING and len(node.shape) == 3:
-                    force[node.name] = _cut(node.shape, {0: self.dp + self.mb, 1: self.tp})
+                    force[node.name] = _cut(node.shape, {0: self.edp + self.mb + self.ep, 1: self.tp})
         return force
 
 
@@ -147,7 +171,8 @@ def _build(graph: Graph, spec: ParallelSpec, dims: Mapping[str, int], model: str
     if spec.tp > 1:
         graph = vocab_parallel_forms(graph)
     recipe = Recipe(graph, spec)
-    sizes = {a: getattr(spec, a) for a in ("dp", "tp") if getattr(spec, a) > 1}
+    mesh = mesh_sizes(spec)
+    sizes = {a: n for a, n in mesh.items() if a != "pp" and n > 1}
     if spec.mb > 1:
         sizes[MB] = spec.mb
     env = Env(sizes, dims, {v.name: v.shape for v in (*graph.inputs, *graph.nodes)}, data_dependence(graph))
@@ -159,7 +184,6 @@ def _build(graph: Graph, spec: ParallelSpec, dims: Mapping[str, int], model: str
         lowering.node(node, env, force.get(node.name))
     for name, value in graph.outputs:
         lowering.output(name, value, recipe.output_layout(name))
-    mesh = {a: getattr(spec, a) for a in MESH_ORDER if getattr(spec, a, 1) > 1} or {"dp": 1}
     programs, lineage, interior = split_stages(lowering, graph, spec, mesh, layers, logical)
     plan = Plan(format=FORMAT, model=model, dims=dict(dims), mesh=tuple(mesh.items()), microbatches=spec.mb,
                 schedule=schedule, logical=logical, programs=programs,

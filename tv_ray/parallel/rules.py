@@ -139,14 +139,25 @@ def _resolve(a_dim: Dim, b_dim: Dim, axis_taken: set[str]) -> tuple[Dim, Dim]:
     return _uncut(a_dim), _uncut(b_dim)
 
 
+def _without(dim: Dim, axes: set[str]) -> Dim:
+    """`dim` no longer cut by `axes`: each dropped where it is its factor's innermost axis (one all_gather of
+    it: an expert layer gathering its ep peers' tokens keeps their dp and microbatch cut), else the dim whole."""
+    factors = []
+    for f in dim:
+        kept = f.axes
+        while kept and kept[-1] in axes:
+            kept = kept[:-1]
+        factors.append(Factor(f.size, kept))
+    out = canonical(factors)
+    return _uncut(dim) if _dim_axes(out) & axes else out
+
+
 def _drop_conflicts(m: Dim, n: Dim, a_data: bool, b_data: bool, blocked: set[str]) -> tuple[Dim, Dim]:
     """An axis may cut only one of M, N (and not the contraction): batch axes stay on data, model axes on weights."""
     for axis in sorted(_dim_axes(m) & _dim_axes(n)):
         keep_on_a = a_data if axis in BATCH_AXES else not a_data
         m, n = (m, _uncut(n)) if keep_on_a else (_uncut(m), n)
-    m = _uncut(m) if _dim_axes(m) & blocked else m
-    n = _uncut(n) if _dim_axes(n) & blocked else n
-    return m, n
+    return _without(m, blocked), _without(n, blocked)
 
 
 def _matmul(node: Node, a: Layout, b: Layout, env: Env, batch: bool) -> Decision:
@@ -319,6 +330,13 @@ def _full_like(node, ins, env):
 # -- softmax and loss -------------------------------------------------------------------
 @register(Op.SOFTMAX, Op.LOG_SOFTMAX)
 def _softmax(node, ins, env):
+    x = _whole_dims(ins[0], {node.attr["dim"] % ins[0].rank}, keep_partial=False)
+    return Decision([x], x)
+
+
+@register(Op.TOPK_MASK)
+def _topk_mask(node, ins, env):
+    """Each line along dim picks its own top k: the line whole, every other dim as it comes."""
     x = _whole_dims(ins[0], {node.attr["dim"] % ins[0].rank}, keep_partial=False)
     return Decision([x], x)
 

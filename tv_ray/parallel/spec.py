@@ -13,6 +13,10 @@ DEGREES = ("dp", "tp", "pp", "mb", "cp", "ep")
 class ParallelSpec:
     """How to distribute one training step.
 
+    ``ep`` is carved out of ``dp`` as Megatron does: ``dp=4,ep=2`` is 4 data-parallel ranks whose routed
+    experts are split over 2 (each expert held by ``edp`` = 2 of them); the plan's mesh names the axes
+    ``dp`` (of size edp) and ``ep``, and the data-parallel group of every other weight is dp × ep.
+
     Example::
 
         ParallelSpec.parse("dp=2,tp=2,pp=2,mb=2", sp=True, zero=1)
@@ -53,9 +57,12 @@ class ParallelSpec:
             raise ParallelConfigError(f"--zero {self.zero}: ZeRO stage must be 0, 1, 2 or 3")
         if self.sp and self.tp == 1:
             raise ParallelConfigError("--sp (sequence parallel) needs tp > 1: it shards the sequence over tp")
-        if self.cp > 1 or self.ep > 1:
-            raise ParallelConfigError("cp and ep: the plan format expresses them, but the built-in "
-                                      "recipe does not build them yet; write the plan by hand")
+        if self.cp > 1:
+            raise ParallelConfigError("cp: the plan format expresses it, but the built-in recipe does not "
+                                      "build it yet; write the plan by hand")
+        if self.dp % self.ep:
+            raise ParallelConfigError(f"ep = {self.ep} must divide dp = {self.dp}: expert parallelism is carved "
+                                      f"out of the data-parallel ranks")
 
     def __str__(self) -> str:
         text = ",".join(f"{d}={getattr(self, d)}" for d in DEGREES if getattr(self, d) != 1) or "dp=1"
@@ -63,7 +70,12 @@ class ParallelSpec:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp * self.ep
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def edp(self) -> int:
+        """The expert-data-parallel degree: how many data-parallel ranks hold a copy of each expert."""
+        return self.dp // self.ep
 
     def check_model(self, dims: Mapping[str, int], layers: int | None) -> None:
         """Refuse configs the model cannot take, naming the failing constraint."""
@@ -74,9 +86,12 @@ class ParallelSpec:
         if batch is not None:
             need(batch % (self.dp * self.mb) == 0,
                  f"dp*mb = {self.dp * self.mb} must divide batch = {batch}")
-        for name in ("kv_heads", "heads", "ffn", "vocab"):
+        for name in ("kv_heads", "heads", "ffn", "moe_ffn", "vocab"):
             if name in dims and self.tp > 1:
                 need(dims[name] % self.tp == 0, f"tp = {self.tp} must divide {name} = {dims[name]}")
+        if self.ep > 1:
+            need("experts" in dims, "ep > 1 needs a model with routed experts (a MoE model)")
+            need(dims["experts"] % self.ep == 0, f"ep = {self.ep} must divide experts = {dims['experts']}")
         if self.sp and "seq" in dims:
             need(dims["seq"] % self.tp == 0, f"sequence parallel: tp = {self.tp} must divide seq = {dims['seq']}")
         if layers is not None:

@@ -160,6 +160,9 @@ def expected_tag(node: Node, tags: dict[str, Tag | None], shapes: dict[str, tupl
         return _moved(ins[0], ins[0].dim if a.get("keepdim") else ins[0].dim - sum(d < ins[0].dim for d in reduced))
     if op in (Op.SOFTMAX, Op.LOG_SOFTMAX):
         return ins[0]
+    if op == Op.TOPK_MASK:          # each line picks its own: one sample's line, or a choice among samples
+        along = ins[0].dim == norm_dim(a["dim"], len(out_shape), "topk_mask")
+        return "a top-k along the batch picks among samples" if along else ins[0]
     if op in (Op.SOFTMAX_BACKWARD, Op.LOG_SOFTMAX_BACKWARD):
         return ins[0] if ins[0] == ins[1] else "a softmax backward mixes samples"
     if op in (Op.MM, Op.BMM):

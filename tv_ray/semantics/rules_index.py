@@ -172,6 +172,20 @@ def _topk_values(xs, attrs, ctx):
     return np.take_along_axis(xs[0], order, axis=dim)
 
 
+def _topk_mask_shape(shapes, attrs, ctx):
+    _topk_shape(shapes, attrs, ctx)
+    return tuple(shapes[0])
+
+
+def _topk_mask(xs, attrs, ctx):
+    """1.0 at the k largest elements along dim (the lower index first among equal ones), else 0.0."""
+    order, dim = _topk_order(xs[0], attrs)
+    mask = np.zeros(xs[0].shape, dtype=np.float64)
+    np.put_along_axis(mask, order, 1.0, axis=dim)
+    return mask
+
+
 rule(Op.TOPK_VALUES, shape=_topk_shape, concrete=_topk_values)
 rule(Op.TOPK_INDICES, shape=_topk_shape, dtype=_int_result,
      concrete=lambda xs, a, ctx: _topk_order(xs[0], a)[0].astype(np.int64))
+rule(Op.TOPK_MASK, shape=_topk_mask_shape, concrete=_topk_mask)

@@ -15,7 +15,8 @@ indicator is a variable named ``onehot:<element>=<v>/<range>`` (`tv_ray.terms.on
 the random-point refuter draws them one-hot.
 
 Non-linear functions stay uninterpreted applications (``rsqrt``, ``sigmoid``,
-``gelu[none]``) except exp and log, which the normaliser's guarded axioms know.
+``gelu[none]``, a top-k routing mask's ``topk_mask[k]:p``) except exp and log,
+which the normaliser's guarded axioms know.
 Softmax and log-softmax use their real-number forms (no max subtraction:
 over the reals it cancels). Structural ops (views, slices, cat, chunks) reuse
 the concrete rules, which only move elements. An op without a symbolic rule
@@ -39,6 +40,7 @@ from tv_ray.semantics.table import Context, instantiate_attrs, instantiate_shape
 from tv_ray.terms import ONE, ZERO, Kind, Term, app, const, exp, log, max_, postorder, pow_, substitute, sum_
 from tv_ray.terms.atom import Atom
 from tv_ray.terms.onehot import indicator
+from tv_ray.terms.routing import selected
 
 
 # ±inf (causal masks) follow the extended reals where a mask needs them — x + (−∞) = −∞ for a finite
@@ -509,6 +511,13 @@ def _paired(x: np.ndarray, y: np.ndarray, dim: int, fn) -> np.ndarray:
     for idx in np.ndindex(x.shape):
         stacked[idx] = (x[idx], y[idx])
     return _along(stacked, dim, fn)
+
+
+@register(Op.TOPK_MASK)
+def _topk_mask(node, xs, attrs, ctx):
+    """Each element's routing indicator: an application to its whole line along dim (`tv_ray.terms.routing`)."""
+    k = attrs["k"]
+    return _along(as_dtype(xs[0], "float"), _dim(attrs, xs[0]), lambda v: [selected(k, p, v) for p in range(len(v))])
 
 
 @register(Op.SOFTMAX_BACKWARD)

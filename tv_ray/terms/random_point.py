@@ -3,10 +3,11 @@
 Variables get random exact rationals; sums, products and integer powers stay
 exact Fractions. `exp` and `log` are the real functions, evaluated with
 mpmath at high precision so that every axiom the normaliser uses holds
-numerically, and `max` is the real max. Every other application is an
-uninterpreted function: a random function, memoised so that the same
-arguments give the same value on both sides (arguments that are not exact
-are keyed by their value rounded well below the working precision).
+numerically, `max` is the real max and a routing indicator the real top-k
+(`tv_ray.terms.routing`). Every other application is an uninterpreted
+function: a random function, memoised so that the same arguments give the
+same value on both sides (arguments that are not exact are keyed by their
+value rounded well below the working precision).
 
 A mismatch is a counterexample at once: exact for rational values, beyond a
 relative tolerance of 10^-(digits/2) otherwise. Agreement at every point is
@@ -26,7 +27,7 @@ from typing import Any, Callable
 
 import mpmath
 
-from tv_ray.terms import onehot
+from tv_ray.terms import onehot, routing
 from tv_ray.errors import OutsideDomain
 from tv_ray.terms.result import Refuted, Unknown
 from tv_ray.terms.term import Kind, Term, postorder
@@ -100,6 +101,9 @@ class _Evaluator:
         rule = self._apps.get(t.payload)
         if rule is not None:
             return rule(vs)
+        routed = routing.parse(t.payload)
+        if routed is not None:
+            return Fraction(routing.evaluate(*routed, vs))
         table = self.functions.setdefault(f"{t.payload}/{len(vs)}", {})
         key = tuple(self._key(v) for v in vs)
         if key not in table:
