@@ -555,7 +555,8 @@ def _routing_mask(cv: Converter, x, dim, index, src) -> str | None:
     if made is None or made.name not in cv.topk or src != 1 or not isinstance(x, torch.fx.Node):
         return None
     scores, attrs = cv.topk[made.name]
-    zeros = next((n for n in cv.nodes if n.name == cv.arg(x)), None)
+    name = cv.arg(x)
+    zeros = next((n for n in reversed(cv.nodes) if n.name == name), None)     # made just before, as a rule
     same = (zeros is not None and zeros.op in (Op.FULL, Op.FULL_LIKE) and zeros.attr["value"] == 0
             and tuple(x.meta["val"].shape) == tuple(made.args[0].meta["val"].shape)
             and _dim(cv, x, dim) == attrs["dim"])
