@@ -194,6 +194,15 @@ def test_ground_lemmas_prove_max_cancelled_log_sum_exp():
         assert result.proved and result.method == METHOD[solver], (solver, result)
         assert len(result.axioms) == 3
         assert record.assumptions.winner.status == "sat"   # the guards and lemmas hold somewhere
+        assert record.assumptions.logic.endswith("variables 0")     # here: where every variable is 0
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_assumptions_that_exclude_zero_are_shown_consistent_elsewhere(solver):
+    x, y = var("x"), var("y")
+    result, record = prove_with_record(mul(div(y, x), x), y, solvers=(solver,))     # guard: x ≠ 0
+    assert result.proved, result
+    assert record.assumptions.winner.status == "sat" and record.assumptions.logic == "QF_NRA"
 
 
 @pytest.mark.parametrize("solver", SOLVERS)
