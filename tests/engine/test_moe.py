@@ -123,3 +123,24 @@ def test_routing_without_the_correction_bias_is_refuted_at_the_choice(base):
     mutated = edit(program, "main", change={choice.name: _like(choice, choice.name, "topk_mask", [scores],
                                                                choice.attr)})
     _refuted(with_program(base, "main", mutated), choice.name, "fwd", "layers.1.mlp.gate")
+
+
+
+def test_b26_global_norm_without_the_experts_other_ep_shards_is_refuted_in_the_norm():
+    """B26: with ep and tp, the experts' squared gradient sums reduced over tp only, as the dense ones are: the
+    global norm leaves out the experts the other ep rank holds. At the concrete runs' points the experts' share of
+    the norm is ~1e-8 of it, so no output is wrong there by more than the tolerance: the refutation is symbolic,
+    and the stage refuted is the norm's accumulation that reads the sums (not the all-reduce itself)."""
+    plan = api.parallelize(api.capture_step(MODEL, optim="adamw", clip=1.0), "dp=2,ep=2,tp=2", model=MODEL)
+    sums = [n for n in plan.programs["main"].nodes if n.op == Op.ALL_REDUCE and ".mlp.experts.w_" in n.name
+            and "grad_sq_sum" in n.name]
+    assert len(sums) == 3 and all(n.attr["axes"] == ("ep", "tp") for n in sums)
+    for reduced in sums:
+        plan = _reduced_over(plan, reduced, ["tp"])
+    outcome = verify_plan(plan, progress=False)
+    assert outcome.status == "refuted", outcome.counts()
+    first = outcome.first_refuted()
+    assert first.phase == "optim" and first.tensor.endswith(".weight.norm_sq_acc"), (first.tensor, first.phase)
+    headline = diagnose(outcome)["headline"]
+    assert "it reads optim.layers.1.mlp.experts.w_down.grad_sq_sum" in headline and "never reduced" in headline, \
+        headline
