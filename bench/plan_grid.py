@@ -4,7 +4,7 @@
 
 Grid: dp, tp, pp, mb in {1, 2} x sp (when tp = 2) x zero 0-3 x tied on/off x
 sgd/adamw, with clipping at 1.0; for a model with routed experts also ep = 2
-(carved out of dp: dp = 2 and dp = 4). Records the max abs deviation of every config
+(carved out of dp: dp = 2 and dp = 4), for the others cp = 2 (dp = 1 and 2). Records the max abs deviation of every config
 and exits 1 if any exceeds 1e-9 or fails to build.
 """
 from __future__ import annotations
@@ -22,12 +22,14 @@ TOL = 1e-9
 
 
 def configs(zeros=range(4), experts: bool = False):
-    """Every recipe config of the grid: (parallel spec, flags); `experts`: with ep = 2 too."""
-    data = [(1, 1), (2, 1)] + ([(2, 2), (4, 2)] if experts else [])
-    for (dp, ep), tp, pp, mb in itertools.product(data, (1, 2), (1, 2), (1, 2)):
+    """Every recipe config of the grid: (parallel spec, flags); `experts`: with ep = 2 too, else with cp = 2 too
+    (cp with routed experts is refused)."""
+    data = [(1, 1, 1), (2, 1, 1)] + ([(2, 2, 1), (4, 2, 1)] if experts else [(1, 1, 2), (2, 1, 2)])
+    for (dp, ep, cp), tp, pp, mb in itertools.product(data, (1, 2), (1, 2), (1, 2)):
         for sp in ((False, True) if tp == 2 else (False,)):
             for zero in zeros:
-                yield f"dp={dp},tp={tp},pp={pp},mb={mb}" + (f",ep={ep}" if ep > 1 else ""), {"sp": sp, "zero": zero}
+                extra = (f",ep={ep}" if ep > 1 else "") + (f",cp={cp}" if cp > 1 else "")
+                yield f"dp={dp},tp={tp},pp={pp},mb={mb}{extra}", {"sp": sp, "zero": zero}
 
 
 def has_experts(model: str) -> bool:

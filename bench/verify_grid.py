@@ -1,14 +1,14 @@
 """The plan grid through the verifier: every correct built-in plan must be proved and its certificate must check.
 
     python bench/verify_grid.py [--models llama3-tiny,gpt2-tiny] [--full] [--check-sample 50] [--jobs 1]
-                                [--out bench/results/verify_grid.json]
+                                [--only cp=2] [--out bench/results/verify_grid.json]
 
 Default grid: dp, tp, pp, mb in {1, 2} x sp (when tp = 2) x zero {0, 3} with
 AdamW and clipping at 1.0 (tied as the model defines). `--full` adds zero
 1-2, untied/tied and SGD: the 768 configs of bench/plan_grid.py. For each
 config: verify (proved?), write the certificate, `check` it re-solving
 `--check-sample` unique keys with a different method. Exits 1 if any config
-is not proved or its certificate fails.
+is not proved or its certificate fails. `--only TEXT`: the configs whose parallel spec holds TEXT.
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ def main() -> int:
     parser.add_argument("--full", action="store_true")
     parser.add_argument("--check-sample", type=int, default=50)
     parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--only", default="", help="the configs whose parallel spec holds this text")
     parser.add_argument("--out", default="bench/results/verify_grid.json")
     args = parser.parse_args()
     rows, failures = [], 0
@@ -41,6 +42,8 @@ def main() -> int:
         for tied, optim in variants:
             graph = tv_ray.capture_step(model, optim=optim, clip=1.0, tied=tied)
             for spec, flags in configs(range(4) if args.full else (0, 3), has_experts(model)):
+                if args.only not in spec:
+                    continue
                 row = {"model": model, "tied": tied, "optim": optim, "parallel": spec, **flags}
                 t = time.perf_counter()
                 try:

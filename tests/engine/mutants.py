@@ -200,6 +200,30 @@ def with_program(plan: Plan, name: str, graph: Graph, overrides: Iterable[int] =
     return replace(mutated, interior=kept)
 
 
+def reduced_over(plan: Plan, reduction: Node, axes: list[str], program: str = "main") -> Plan:
+    """The plan with `reduction` (an all_reduce, a sum) over `axes` instead: a gradient or a count reduced over
+    the wrong group."""
+    graph = edit(plan.programs[program], program,
+                 change={reduction.name: _like(reduction, reduction.name, "all_reduce", reduction.args,
+                                               {"axes": axes, "reduce": "sum"})})
+    return with_program(plan, program, graph)
+
+
+def refuted_at(mutated: Plan, tensor: str, phase: str, module: str) -> str:
+    """Verify `mutated`, a well-formed plan wrong in the concrete runs; assert its first refuted stage is `tensor`
+    in `phase` under `module` (a path prefix); the diagnosis' headline."""
+    from tv_ray.diagnose import diagnose
+    from tv_ray.engine.driver import verify_plan
+    from tv_ray.plan_check import check_plan
+    check_plan(mutated)
+    outcome = verify_plan(mutated, progress=False)
+    assert outcome.deviations and outcome.status == "refuted", (outcome.counts(), outcome.problems[:3])
+    first = outcome.first_refuted()
+    assert (first.tensor, first.phase) == (tensor, phase) and first.module.startswith(module), \
+        (first.ranks, first.tensor, first.phase, first.module)
+    return diagnose(outcome)["headline"]
+
+
 # -- the 14 classes ------------------------------------------------------------------------------
 def a1_allreduce_identity(plan: Plan) -> Mutant:
     """A1: the tp all-reduce after layers.1's attention output projection (forward, microbatch 0) becomes

@@ -7,12 +7,11 @@ the two dp ranks that hold copies of them; the router, attention and shared expe
 """
 import pytest
 
-from tests.engine.mutants import _like, edit, with_program
+from tests.engine.mutants import _like, edit, reduced_over, refuted_at, with_program
 from tv_ray import api
 from tv_ray.diagnose import diagnose
 from tv_ray.engine.driver import verify_plan
 from tv_ray.ir import Op
-from tv_ray.plan_check import check_plan
 from tv_ray.simulate import simulate
 
 MODEL = "deepseek-tiny"
@@ -65,38 +64,20 @@ def test_the_plan_dispatches_with_all_to_all_and_reduces_experts_over_their_copi
     assert program.value(grads["grad/layers.1.mlp.gate.weight"]).attr["axes"] == ("dp", "ep")
 
 
-def _reduced_over(base, reduction, axes: list[str]):
-    """The plan with `reduction` (an all_reduce) over `axes` instead."""
-    program = edit(base.programs["main"], "main",
-                   change={reduction.name: _like(reduction, reduction.name, "all_reduce", reduction.args,
-                                                 {"axes": axes, "reduce": "sum"})})
-    return with_program(base, "main", program)
-
-
-def _refuted(mutated, tensor: str, phase: str, module: str):
-    check_plan(mutated)
-    outcome = verify_plan(mutated, progress=False)
-    assert outcome.deviations and outcome.status == "refuted", (outcome.counts(), outcome.problems[:3])
-    first = outcome.first_refuted()
-    assert (first.tensor, first.phase) == (tensor, phase) and first.module.startswith(module), \
-        (first.ranks, first.tensor, first.phase, first.module)
-    return diagnose(outcome)["headline"]
-
-
 def test_b22_expert_gradient_ep_times_too_large_is_refuted_at_the_scaling(base):
     """B22: the routed experts' gradient multiplied by ep after its reduction (a divisor for dp / ep ranks)."""
     reduced = _gradient(base, "layers.1.mlp.experts.w_gate")
     scaled = _like(reduced, f"{reduced.name}.scaled", "mul", [reduced.name], {"other": 2.0})
     program = edit(base.programs["main"], "main", after={reduced.name: [scaled]},
                    rename_args={reduced.name: scaled.name})
-    headline = _refuted(with_program(base, "main", program), scaled.name, "bwd", "layers.1.mlp.experts")
+    headline = refuted_at(with_program(base, "main", program), scaled.name, "bwd", "layers.1.mlp.experts")
     assert "physical = 2 × logical" in headline, headline
 
 
 def test_b24_router_gradient_not_reduced_over_ep_is_refuted_at_its_reduction(base):
     """B24: the router's gradient reduced over dp only: each ep rank keeps the partial sum of its own tokens."""
     reduced = _gradient(base, "layers.1.mlp.gate.weight")
-    headline = _refuted(_reduced_over(base, reduced, ["dp"]), reduced.name, "bwd", "layers.1.mlp.gate")
+    headline = refuted_at(reduced_over(base, reduced, ["dp"]), reduced.name, "bwd", "layers.1.mlp.gate")
     assert "partial sum over ep" in headline, headline
 
 
@@ -105,14 +86,14 @@ def test_b23_expert_input_gradient_left_partial_is_refuted_in_the_expert_backwar
     reduced = _collective(base, Op.ALL_REDUCE, "", ("ep",))
     program = edit(base.programs["main"], "main",
                    change={reduced.name: _like(reduced, reduced.name, "clone", reduced.args)})
-    headline = _refuted(with_program(base, "main", program), reduced.name, "bwd", "")
+    headline = refuted_at(with_program(base, "main", program), reduced.name, "bwd", "")
     assert "partial sum over ep" in headline, headline
 
 
 def test_expert_gradient_reduced_over_the_whole_data_parallel_group_is_refuted(base):
     """The experts' gradient all-reduced over dp × ep: it adds the other ep rank's different experts."""
     reduced = _gradient(base, "layers.1.mlp.experts.w_down")
-    _refuted(_reduced_over(base, reduced, ["dp", "ep"]), reduced.name, "bwd", "layers.1.mlp.experts")
+    refuted_at(reduced_over(base, reduced, ["dp", "ep"]), reduced.name, "bwd", "layers.1.mlp.experts")
 
 
 def test_routing_without_the_correction_bias_is_refuted_at_the_choice(base):
@@ -122,7 +103,7 @@ def test_routing_without_the_correction_bias_is_refuted_at_the_choice(base):
     scores = program.value(choice.args[0]).args[0]          # the choice reads scores + bias
     mutated = edit(program, "main", change={choice.name: _like(choice, choice.name, "topk_mask", [scores],
                                                                choice.attr)})
-    _refuted(with_program(base, "main", mutated), choice.name, "fwd", "layers.1.mlp.gate")
+    refuted_at(with_program(base, "main", mutated), choice.name, "fwd", "layers.1.mlp.gate")
 
 
 
@@ -136,10 +117,10 @@ def test_b26_global_norm_without_the_experts_other_ep_shards_is_refuted_in_the_n
             and "grad_sq_sum" in n.name]
     assert len(sums) == 3 and all(n.attr["axes"] == ("ep", "tp") for n in sums)
     for reduced in sums:
-        plan = _reduced_over(plan, reduced, ["tp"])
+        plan = reduced_over(plan, reduced, ["tp"])
     outcome = verify_plan(plan, progress=False)
     assert outcome.status == "refuted", outcome.counts()
-    first = outcome.first_refuted()
+    first = outcome.firstrefuted_at()
     assert first.phase == "optim" and first.tensor.endswith(".weight.norm_sq_acc"), (first.tensor, first.phase)
     headline = diagnose(outcome)["headline"]
     assert "it reads optim.layers.1.mlp.experts.w_down.grad_sq_sum" in headline and "never reduced" in headline, \

@@ -156,8 +156,7 @@ def test_reduce_scatter_over_wrong_axis_deviates(base_plan):
     ("dp=2", {"zero": 4}, "--zero 4: ZeRO stage must be 0, 1, 2 or 3"),
     ("dp=2,ep=2", {}, "parallel spec dp=2,ep=2: ep > 1 needs a model with routed experts (a MoE model)"),
     ("dp=2,ep=4", {}, "ep = 4 must divide dp = 2: expert parallelism is carved out of the data-parallel ranks"),
-    ("dp=2,cp=2", {}, "cp: the plan format expresses it, but the built-in recipe does not build it yet; write "
-                      "the plan by hand"),
+    ("dp=2,cp=3", {}, "parallel spec dp=2,cp=3: cp = 3 must divide seq = 16"),
 ])
 def test_impossible_configs_are_refused(llama_sgd, spec, flags, message):
     with pytest.raises(ParallelConfigError) as err:

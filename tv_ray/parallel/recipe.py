@@ -79,13 +79,17 @@ class Recipe:
 
     With expert parallelism the samples are cut over (dp, mb, ep): rank (d, e)'s microbatch m is block
     (d, m, e) of the batch, so the ep ranks' m-th microbatches are one contiguous block — what an expert
-    layer gathers. Routed experts are cut over ep (dim 0); every other weight is replicated over dp × ep."""
+    layer gathers. Routed experts are cut over ep (dim 0); every other weight is replicated over dp × ep.
+    With context parallelism the tokens' sequence dim is cut over cp too, and weights are replicated over cp:
+    the sharding rules then gather keys and values over cp and reduce gradients over dp × cp
+    (docs/context-parallel.md)."""
 
     def __init__(self, graph: Graph, spec: ParallelSpec):
         self.graph, self.spec = graph, spec
         self.edp = ("dp",) if spec.edp > 1 else ()
         self.ep = ("ep",) if spec.ep > 1 else ()
-        self.dp = self.edp + self.ep          # the data-parallel group of a dense weight
+        self.cp = ("cp",) if spec.cp > 1 else ()
+        self.dp = self.edp + self.cp + self.ep      # the data-parallel group of a dense weight
         self.mb = (MB,) if spec.mb > 1 else ()
         self.tp = ("tp",) if spec.tp > 1 else ()
 
@@ -115,7 +119,12 @@ class Recipe:
         if spec.role == "data":         # samples cut over dp and microbatches; a buffer (no batch) whole
             named = Expr.of(spec.shape[0]).free_dims if spec.shape else frozenset()
             batched = spec.shape and (not named or "batch" in named)     # constant shapes: a module's own
-            return _cut(spec.shape, {0: self.edp + self.mb + self.ep}) if batched else Layout.replicated(spec.shape)
+            if not batched:
+                return Layout.replicated(spec.shape)
+            cuts = {0: self.edp + self.mb + self.ep}
+            if self.cp and len(spec.shape) > 1 and "seq" in Expr.of(spec.shape[1]).free_dims:
+                cuts[1] = self.cp
+            return _cut(spec.shape, cuts)
         if spec.role == "param":
             return self.param_layout(spec, self.spec.zero >= 3)
         if spec.role == "state":
@@ -145,7 +154,7 @@ class Recipe:
         if self.spec.sp:
             for node in self.graph.nodes:
                 if node.op == Op.EMBEDDING and len(node.shape) == 3:
-                    force[node.name] = _cut(node.shape, {0: self.edp + self.mb + self.ep, 1: self.tp})
+                    force[node.name] = _cut(node.shape, {0: self.edp + self.mb + self.ep, 1: self.cp + self.tp})
         return force
 
 

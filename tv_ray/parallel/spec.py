@@ -57,9 +57,6 @@ class ParallelSpec:
             raise ParallelConfigError(f"--zero {self.zero}: ZeRO stage must be 0, 1, 2 or 3")
         if self.sp and self.tp == 1:
             raise ParallelConfigError("--sp (sequence parallel) needs tp > 1: it shards the sequence over tp")
-        if self.cp > 1:
-            raise ParallelConfigError("cp: the plan format expresses it, but the built-in recipe does not "
-                                      "build it yet; write the plan by hand")
         if self.dp % self.ep:
             raise ParallelConfigError(f"ep = {self.ep} must divide dp = {self.dp}: expert parallelism is carved "
                                       f"out of the data-parallel ranks")
@@ -93,7 +90,14 @@ class ParallelSpec:
             need("experts" in dims, "ep > 1 needs a model with routed experts (a MoE model)")
             need(dims["experts"] % self.ep == 0, f"ep = {self.ep} must divide experts = {dims['experts']}")
         if self.sp and "seq" in dims:
-            need(dims["seq"] % self.tp == 0, f"sequence parallel: tp = {self.tp} must divide seq = {dims['seq']}")
+            need(dims["seq"] % (self.cp * self.tp) == 0,
+                 f"sequence parallel: cp*tp = {self.cp * self.tp} must divide seq = {dims['seq']}")
+        if self.cp > 1:
+            need("seq" in dims and dims["seq"] % self.cp == 0,
+                 f"cp = {self.cp} must divide seq = {dims.get('seq', 'none: the model has no sequence')}")
+            need("experts" not in dims, "cp with routed experts is not built yet: the experts read a sequence "
+                                        "chunk's tokens flattened with the batch, a strided set of the logical "
+                                        "tokens that no claim states, and their stages end unknown")
         if layers is not None:
             need(self.pp <= layers, f"pp = {self.pp} is more than the model's {layers} layers")
 

@@ -338,6 +338,24 @@ class LogicalTerms:
                 break
         return False
 
+    def views_of_others(self, tensors: set[str]) -> set[str]:
+        """The tensors among `tensors` that are another one's elements moved (a chain of views and copies): a
+        formula whose two sides read the same tensors may still read one's element on one side and the view's
+        on the other (a physical view of a slice the logical view's slices cannot state), which a solver sees as
+        unrelated variables."""
+        found = set()
+        for tensor in tensors:
+            node = self.nodes.get(tensor)
+            for _ in range(DERIVE_DEPTH):
+                if node is None or node.op not in MOVES_ELEMENTS:
+                    break
+                if node.args[0] in tensors:
+                    found.add(tensor)
+                    break
+                node = self.nodes.get(node.args[0])
+        return found
+
+
 def _atoms_but_constants(name: str, definition: np.ndarray) -> np.ndarray | None:
     """Atoms for a tensor's elements where its definition holds a constant (a closed term, ±∞) somewhere, each such
     element keeping its constant (a masked attention weight is exactly 0, and downstream sees it); None where it

@@ -1293,12 +1293,16 @@ def expand(lhs: list[Term], rhs: list[Term], logical: LogicalTerms) -> tuple[lis
     other reads W = f(U), and as free variables they would look unrelated.
     Replacing W's atoms by W's definition is the logical graph's own equation,
     so the obligation stays equivalent to the claim; latest tensor first.
+    A W that is U's elements moved (views, copies) is unfolded first, even
+    where both sides read both: one side may read an element as U's and the
+    other as W's (a context-parallel chunk of flattened tokens, a strided set
+    of W's rows no claim states, read through U).
     """
     unfolded: set[str] = set()
     if all(a is b for a, b in zip(lhs, rhs)):
         return lhs, rhs, frozenset()    # the same term (a view, a copy, a received value): nothing to unfold
     left, right = _logical_atoms(lhs, logical), _logical_atoms(rhs, logical)
-    if left == right:
+    if left == right and not logical.views_of_others(left):
         return lhs, rhs, frozenset()    # the common case: both sides read the same tensors
     budget = EXPAND_GROWTH * _size(lhs + rhs) + EXPAND_SLACK
     for round_ in range(EXPAND_ROUNDS):
@@ -1306,11 +1310,14 @@ def expand(lhs: list[Term], rhs: list[Term], logical: LogicalTerms) -> tuple[lis
             if _size(lhs + rhs) > budget:
                 break    # unfolding further would not close it: a real difference (a bug) or a gap
             left, right = _logical_atoms(lhs, logical), _logical_atoms(rhs, logical)
-        present, differ = left | right, left ^ right
+        present = left | right
+        views = logical.views_of_others(present)      # unfolded first: each atom one of its source's
+        differ = left ^ right or views
         if not differ:
             break
-        derived = [t for t in present if (t in differ and logical.derives_from(t, present - {t}))
-                   or logical.derives_from(t, differ - {t})] or list(differ)   # else: the other side inlines it
+        derived = list(views) or [t for t in present if (t in differ and logical.derives_from(t, present - {t}))
+                                  or logical.derives_from(t, differ - {t})] \
+            or list(differ)     # else: the other side inlines it
         tensor = max(derived, key=lambda t: logical.order[t])
         unfolded.add(tensor)
         mapping = logical.unfolding(tensor, [n for n in postorder(*lhs, *rhs)
