@@ -120,7 +120,7 @@ def test_b26_global_norm_without_the_experts_other_ep_shards_is_refuted_in_the_n
         plan = reduced_over(plan, reduced, ["tp"])
     outcome = verify_plan(plan, progress=False)
     assert outcome.status == "refuted", outcome.counts()
-    first = outcome.firstrefuted_at()
+    first = outcome.first_refuted()
     assert first.phase == "optim" and first.tensor.endswith(".weight.norm_sq_acc"), (first.tensor, first.phase)
     headline = diagnose(outcome)["headline"]
     assert "it reads optim.layers.1.mlp.experts.w_down.grad_sq_sum" in headline and "never reduced" in headline, \
