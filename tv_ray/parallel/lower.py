@@ -21,6 +21,14 @@ from tv_ray.parallel.layout import Factor, Layout, axis_product, canonical, chec
 from tv_ray.parallel.rules import Env, decide
 
 MB = "mb"
+
+
+def _base(name: str) -> str:
+    """A local name without its copy suffixes (``~k`` a remade value, ``@m`` a microbatch's): what a new op on it
+    is named after."""
+    return name.split("~")[0].split("@")[0]
+
+
 DISPATCH_AXES = frozenset({"ep"})      # axes an all_to_all moves between dims (`Lowering._moves`)
 SHAPE_ATTR = {Op.VIEW: "size", Op.EXPAND: "size", Op.FULL: "size", Op.SLICE_BACKWARD: "input_size"}
 
@@ -298,7 +306,7 @@ class Lowering:
         sub_shape = split_dims(out) if multi else list(local_out)
 
         def body(names: tuple[str, ...], dim: int) -> tuple[str, ...]:
-            base = names[0].split("~")[0].split("@")[0]
+            base = _base(names[0])
             if axis == MB and gather:
                 return (self._emit(self._fresh(base), Op.CAT, list(names), {"dim": dim}, sub_shape, v.dtype, meta),)
             if axis == MB:
@@ -324,7 +332,7 @@ class Lowering:
         (`tv_ray.partition.symmetry`)."""
         if self._constant_along(name, dim):
             return self._rebuilt(name, dim, shape[dim])
-        return self._emit(self._fresh(name.split("~")[0].split("@")[0]), Op.LOCAL_CHUNK, [name],
+        return self._emit(self._fresh(_base(name)), Op.LOCAL_CHUNK, [name],
                           {"dim": dim, "axes": [axis]}, shape, dtype, meta)
 
     def _rebuilt(self, name: str, dim: int, size: Expr) -> str:
@@ -332,20 +340,26 @@ class Lowering:
         made = self._made[name]
         shape = tuple(size if d == dim else s for d, s in enumerate(made.shape))
         attrs = dict(made.attrs)
+        args = []
+        for arg, at in self._arg_dims(made, dim):
+            args.append(arg if at is None else self._rebuilt(arg, at, size))
+        if made.op == Op.EXPAND:
+            attrs["size"] = list(shape)
+        meta = {k: v for k, v in made.meta if k != "realises"}
+        return self._emit(self._fresh(_base(name)), made.op, args, attrs, shape, made.dtype, meta)
+
+    def _arg_dims(self, made: Node, dim: int) -> list[tuple[str, int | None]]:
+        """Each argument of `made` with the dim of it that becomes `made`'s `dim` (an unsqueeze's input: the dim
+        past the new one shifted; an elementwise op's or an expand's: right-aligned), None where the argument is
+        broadcast along it (absent, or of size 1)."""
         if made.op == Op.UNSQUEEZE:
             d = made.attr["dim"] % len(made.shape)
-            args = [self._rebuilt(made.args[0], dim - (dim > d), size)]
-        else:
-            args = []
-            for arg in made.args:
-                at = dim - (len(made.shape) - len(self.shapes[arg]))
-                broadcast = at < 0 or self.shapes[arg][at] == Expr.of(1)
-                args.append(arg if broadcast else self._rebuilt(arg, at, size))
-            if made.op == Op.EXPAND:
-                attrs["size"] = list(shape)
-        meta = {k: v for k, v in made.meta if k != "realises"}
-        return self._emit(self._fresh(name.split("~")[0].split("@")[0]), made.op, args, attrs, shape, made.dtype,
-                          meta)
+            return [(made.args[0], None if dim == d else dim - (dim > d))]
+        out = []
+        for arg in made.args:
+            at = dim - (len(made.shape) - len(self.shapes[arg]))
+            out.append((arg, None if at < 0 or self.shapes[arg][at] == Expr.of(1) else at))
+        return out
 
     def _constant_along(self, name: str, dim: int) -> bool:
         """Is every slice of `name` along `dim` the same? Made by a broadcast there (an expand that adds the dim
@@ -354,21 +368,8 @@ class Lowering:
         if key not in self._constant:
             self._constant[key] = False         # a cycle cannot occur; this only bounds the walk
             made = self._made.get(name)
-            if made is None:
-                found = False
-            elif made.op == Op.UNSQUEEZE:
-                d = made.attr["dim"] % len(made.shape)
-                found = dim == d or self._constant_along(made.args[0], dim - (dim > d))
-            elif made.op == Op.EXPAND or made.op in UNARY | BINARY:
-                found = True
-                for arg in made.args:
-                    source = self.shapes[arg]
-                    at = dim - (len(made.shape) - len(source))
-                    if at >= 0 and source[at] != Expr.of(1) and not self._constant_along(arg, at):
-                        found = False
-                        break
-            else:
-                found = False
+            found = made is not None and (made.op in (Op.UNSQUEEZE, Op.EXPAND) or made.op in UNARY | BINARY) \
+                and all(at is None or self._constant_along(arg, at) for arg, at in self._arg_dims(made, dim))
             self._constant[key] = found
         return self._constant[key]
 

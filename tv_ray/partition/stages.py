@@ -1302,7 +1302,8 @@ def expand(lhs: list[Term], rhs: list[Term], logical: LogicalTerms) -> tuple[lis
     if all(a is b for a, b in zip(lhs, rhs)):
         return lhs, rhs, frozenset()    # the same term (a view, a copy, a received value): nothing to unfold
     left, right = _logical_atoms(lhs, logical), _logical_atoms(rhs, logical)
-    if left == right and not logical.views_of_others(left):
+    views = logical.views_of_others(left | right)      # unfolded first: each atom one of its source's
+    if left == right and not views:
         return lhs, rhs, frozenset()    # the common case: both sides read the same tensors
     budget = EXPAND_GROWTH * _size(lhs + rhs) + EXPAND_SLACK
     for round_ in range(EXPAND_ROUNDS):
@@ -1310,8 +1311,8 @@ def expand(lhs: list[Term], rhs: list[Term], logical: LogicalTerms) -> tuple[lis
             if _size(lhs + rhs) > budget:
                 break    # unfolding further would not close it: a real difference (a bug) or a gap
             left, right = _logical_atoms(lhs, logical), _logical_atoms(rhs, logical)
+            views = logical.views_of_others(left | right)
         present = left | right
-        views = logical.views_of_others(present)      # unfolded first: each atom one of its source's
         differ = left ^ right or views
         if not differ:
             break
