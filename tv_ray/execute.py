@@ -17,7 +17,7 @@ import numpy as np
 
 from tv_ray.errors import Asymmetric, CommunicationError, SimulationError, TvRayError
 from tv_ray.ir import Graph, Node, Op, describe
-from tv_ray.ir.ops import COLLECTIVES
+from tv_ray.ir.ops import COLLECTIVES, COMMUNICATION, P2P
 from tv_ray.plan import Plan
 from tv_ray.semantics import Context, eval_node, rule_for
 from tv_ray.semantics.interpret import instantiated
@@ -66,6 +66,7 @@ class Scheduler:
         self.handlers = {**{op: self._collective for op in COLLECTIVES}, Op.SEND: self._send, Op.RECV: self._recv}
         self.groups: dict[tuple, tuple[int, ...]] = {}
         self._instantiated: dict[int, tuple[dict, tuple[int, ...]]] = {}    # id(node) -> its attrs and shape
+        self._shapes: dict[tuple, tuple[int, ...]] = {}                      # (id(node), attr) -> a shape
 
     def run(self) -> list[dict[str, np.ndarray]]:
         """Run every rank to its end; each rank's outputs by output name."""
@@ -131,6 +132,13 @@ class Scheduler:
         self._advance(state, node, value)
         return True
 
+    def stated(self, node: Node, attr: str | None = None) -> tuple[int, ...]:
+        """`node`'s shape (or its shape attribute `attr`) at the scheduler's dims, cached."""
+        found = self._shapes.get((id(node), attr))
+        if found is None:
+            found = self._shapes[id(node), attr] = instantiate_shape(node.attr[attr] if attr else node.shape, self.dims)
+        return found
+
     def members(self, rank: int, axes: tuple[str, ...]) -> tuple[int, ...]:
         """`rank`'s group along `axes` (itself alone for no axes), cached."""
         if not axes:
@@ -177,7 +185,7 @@ class Scheduler:
             if member in self.virtual:
                 continue
             peer = self.ranks[member]
-            stated = instantiate_shape(peer.program.nodes[peer.pc].shape, self.dims)
+            stated = self.stated(peer.program.nodes[peer.pc])
             if value.shape != stated:
                 raise CommunicationError(f"{self.plan.describe(member)} at {peer.where()}: {_op_text(node)} gives shape "
                                          f"{value.shape} but the op states {stated}",
@@ -201,7 +209,7 @@ class Scheduler:
         if not queue:
             return False
         value, sent_at, extra = queue.popleft()
-        want = instantiate_shape(node.attr["size"], self.dims)
+        want = self.stated(node, "size")
         if value.shape != want or self.dtype_of(value) not in (None, node.attr["dtype"]):
             raise CommunicationError(f"{self.plan.describe(state.rank)} at {state.where()} ({describe(node)}) "
                                      f"expects {node.attr['dtype']} {want} but {sent_at} sent "
@@ -226,6 +234,113 @@ class Scheduler:
             waits.append(f"{self.plan.describe(state.rank)} waits at {state.where()} ({what})")
         unread = [f"rank {src}→{dst} tag {tag} ×{len(q)}" for (src, dst, tag), q in sorted(self.mailbox.items()) if q]
         return ("deadlock: " + "; ".join(waits) + (f"; sent but never received: {', '.join(unread)}" if unread else ""))
+
+
+class OrderRun(Scheduler):
+    """The communication order alone: every rank's sends, recvs and collectives, run with the values left
+    out — a value is a zero-strided array of its stated shape and dtype, and the ops between two communications
+    are skipped. What it checks is what a concrete run checks of the mesh: every recv is matched by a send of
+    its shape and dtype, every collective's members run the same op with inputs of one shape, and the whole
+    schedule completes (a CommunicationError names the deadlock otherwise).
+
+    Programs are straight-line and a recv or collective blocks until it can complete, so whether the schedule
+    completes does not depend on the order ranks are stepped in (the furthest each rank can get is unique):
+    ranks run from a worklist, woken by the send or the collective they wait for. And it needs only one slice
+    of the mesh: along an axis where every rank runs its neighbour's program and no send or recv crosses, the
+    mesh is the same from every coordinate, so is the furthest each rank gets; the ranks at coordinate 0 of
+    every such axis (`symmetric`) are stepped, and the others' inputs to a collective are their images' there.
+    A 8,192-rank plan whose dp and tp ranks share programs costs its pp ranks' communications."""
+
+    def __init__(self, plan: Plan, dims: dict[str, int]):
+        self.layouts = PerProgram(plan, lambda program: _Layout(program, dims))
+        names, ids = plan.rank_programs()
+        super().__init__(plan, dims, [self.layouts[names[ids[r]]] for r in range(plan.num_ranks)])
+        self.symmetric = symmetric_axes(plan)
+        table = plan.coord_table()
+        sliced = np.all(table[:, [plan.axes.index(a) for a in self.symmetric]] == 0, axis=1)
+        self.active = [state for state in self.ranks if sliced[state.rank]]
+        self.virtual = frozenset(np.flatnonzero(~sliced).tolist())
+        self.blocked: set[int] = set()
+        self.waiting: dict[tuple, _Rank] = {}     # (src, dst, tag) -> the rank blocked at that recv
+        for state in self.ranks:
+            state.pc = state.env.next[0]
+
+    def run(self) -> None:
+        ready = self.ready = deque(self.active)
+        while ready:
+            state = ready.popleft()
+            while not state.done and self._step(state):
+                pass
+            if not state.done:
+                self.blocked.add(state.rank)
+                node = state.program.nodes[state.pc]
+                if node.op == Op.RECV:
+                    self.waiting[self._peer(state, node), state.rank, node.attr.get("tag", 0)] = state
+        if not all(r.done for r in self.active):
+            raise CommunicationError(self._deadlock())
+
+    def stand_in(self, node: Node, members: tuple[int, ...], rank: int, arrived: dict[int, np.ndarray]):
+        coords = self.ranks[rank].ctx.coords
+        return arrived[self.plan.rank_of({a: 0 if a in self.symmetric else c for a, c in coords.items()})]
+
+    def evaluate_group(self, node: Node, members: tuple[int, ...], values: list[np.ndarray]) -> list[np.ndarray]:
+        if len({v.shape for v in values}) > 1:
+            raise ValueError(f"the members' inputs have shapes {[v.shape for v in values]}")
+        return [None if m in self.virtual else self.ranks[m].env[self.ranks[m].program.nodes[self.ranks[m].pc].name]
+                for m in members]
+
+    def _send(self, state: _Rank, node: Node) -> bool:
+        super()._send(state, node)
+        woken = self.waiting.pop((state.rank, self._peer(state, node), node.attr.get("tag", 0)), None)
+        if woken is not None:
+            self._wake(woken)
+        return True
+
+    def _advance(self, state: _Rank, node: Node, value: np.ndarray) -> None:
+        state.pc = state.env.next[state.pc + 1]
+        if state.rank in self.blocked:
+            self._wake(state)
+
+    def _wake(self, state: _Rank) -> None:
+        self.blocked.discard(state.rank)
+        self.ready.append(state)
+
+
+def symmetric_axes(plan: Plan) -> tuple[str, ...]:
+    """The mesh axes along which every rank runs its neighbour's program and no send or recv crosses."""
+    names, ids = plan.rank_programs()
+    crossed = {axis for name in set(names[i] for i in ids) for node in plan.programs[name].nodes
+               if node.op in P2P for axis, step in node.attr["peer"] if step}
+    grid = np.asarray(ids).reshape([size for _, size in plan.mesh])
+    return tuple(axis for position, axis in enumerate(plan.axes) if axis not in crossed
+                 and (grid == np.take(grid, [0], axis=position)).all())
+
+
+class _Layout(dict):
+    """One program for `OrderRun`: each value as a zero-strided array of its shape and dtype (made when first read),
+    and from each op position the position of the next communication (`next`)."""
+
+    _DTYPES = {"float": np.float64, "int": np.int64, "bool": np.bool_, "token": np.float64}
+
+    def __init__(self, program: Graph, dims: dict[str, int]):
+        super().__init__()
+        self.specs = {s.name: (s.shape, s.dtype) for s in program.inputs}
+        self.specs |= {n.name: (n.shape, n.dtype) for n in program.nodes}
+        self.dims = dims
+        self.next = [len(program.nodes)] * (len(program.nodes) + 1)
+        for position in range(len(program.nodes) - 1, -1, -1):
+            self.next[position] = position if program.nodes[position].op in COMMUNICATION \
+                else self.next[position + 1]
+
+    def __missing__(self, name: str) -> np.ndarray:
+        shape, dtype = self.specs[name]
+        found = self[name] = np.broadcast_to(np.zeros((), self._DTYPES[dtype]), instantiate_shape(shape, self.dims))
+        return found
+
+
+def check_order(plan: Plan, dims: dict[str, int]) -> None:
+    """Raise CommunicationError unless every rank's communication can complete (`OrderRun`) at `dims`."""
+    OrderRun(plan, dims).run()
 
 
 class PerProgram(dict):

@@ -11,7 +11,8 @@ stages from its plan and compares). In order:
 1. shape reduction (`tv_ray.reduce`);
 2. data-parallel mirrors (`tv_ray.partition.symmetry`);
 3. claims: the plan's boundary and stated lineage, plus claims matched by
-   value in concrete runs (plans up to `CONCRETE_LIMIT` op executions);
+   value in concrete runs (plans up to `CONCRETE_LIMIT` op executions;
+   a larger plan's communication order is run without values instead);
    the program outputs wrong in those runs (`deviations`) are kept;
 4. stages cut at the claims (`tv_ray.partition.generate`), keyed.
 
@@ -26,6 +27,7 @@ from typing import Iterable
 import numpy as np
 
 from tv_ray.errors import ClaimsMissing
+from tv_ray.execute import check_order
 from tv_ray.partition.claims import (Claims, ConcreteRun, group_value, infer_claims, input_claims, interior_claims,
                                     output_claims, runs_for, stated_claims)
 from tv_ray.partition.generate import ops_of, partition
@@ -106,11 +108,16 @@ def claims_for(plan: Plan, dims: dict[str, int], seed: int = 0, ranks: np.ndarra
     representative's, moved, so it needs none of its own. `blocks`: the microbatch symmetry's blocks, by which
     microbatch k's ops are first offered microbatch 0's claims moved (`infer_claims`).
 
-    A plan larger than `CONCRETE_LIMIT` op executions is not run concretely: its claims are its lineage
-    (boundary and intermediate) alone, made only on `ranks`, nothing is matched by value and no output is
-    checked at a point — which changes only where stages are cut, never what a proof needs. There microbatch
-    k's stated claims that are microbatch 0's moved (by `blocks`) are made when asked (`Claims`)."""
+    A plan larger than `CONCRETE_LIMIT` op executions is not run concretely: its communication order is run
+    without values instead (`check_order`: the stages are generated per pipeline shard, which matches sends
+    with recvs but cannot see whether the schedule completes), its claims are its lineage (boundary and
+    intermediate) alone, made only on `ranks`, nothing is matched by value and no output is checked at a
+    point — which changes only where stages are cut, never what a proof needs. There microbatch k's stated
+    claims that are microbatch 0's moved (by `blocks`) are made when asked (`Claims`).
+
+    Raises CommunicationError when the plan's communication cannot complete."""
     if ops_of(plan, range(plan.num_ranks)) > CONCRETE_LIMIT:
+        check_order(plan, dims)
         shapes = {s.name: instantiate_shape(s.shape, dims) for s in plan.logical.inputs}
         shapes |= {n.name: instantiate_shape(n.shape, dims) for n in plan.logical.nodes}
         return [], stated_claims(plan, shapes, ranks, blocks)
