@@ -2,8 +2,9 @@
 
     python bench/plan_grid.py [--models llama3-tiny,gpt2-tiny] [--out bench/results/plan_grid.json]
 
-Grid: dp, tp, pp, mb in {1, 2} x sp (when tp = 2) x zero 0-3 x tied on/off x
-sgd/adamw, with clipping at 1.0; for a model with routed experts also ep = 2
+Grid: dp, tp, pp, mb in {1, 2} (and mb = 4 with pp = 2: more microbatches than stages, where 1F1B has a steady
+state) x sp (when tp = 2) x zero 0-3 x tied on/off x sgd/adamw, with clipping at 1.0; for a model with routed
+experts also ep = 2
 (carved out of dp: dp = 2 and dp = 4), for the others cp = 2 (dp = 1 and 2). Records the max abs deviation of every config
 and exits 1 if any exceeds 1e-9 or fails to build.
 """
@@ -16,16 +17,20 @@ import sys
 import time
 
 import tv_ray
+import tv_ray.models
 from tv_ray.errors import TvRayError
 
 TOL = 1e-9
 
 
-def configs(zeros=range(4), experts: bool = False):
+def configs(zeros=range(4), experts: bool = False, batch: int = 8):
     """Every recipe config of the grid: (parallel spec, flags); `experts`: with ep = 2 too, else with cp = 2 too
-    (cp with routed experts is refused)."""
+    (cp with routed experts is refused); the data-parallel degree times the microbatches divides `batch`."""
     data = [(1, 1, 1), (2, 1, 1)] + ([(2, 2, 1), (4, 2, 1)] if experts else [(1, 1, 2), (2, 1, 2)])
-    for (dp, ep, cp), tp, pp, mb in itertools.product(data, (1, 2), (1, 2), (1, 2)):
+    pipelines = [(1, 1), (1, 2), (2, 1), (2, 2), (2, 4)]      # (pp, mb)
+    for (dp, ep, cp), tp, (pp, mb) in itertools.product(data, (1, 2), pipelines):
+        if batch % (dp * mb):
+            continue
         for sp in ((False, True) if tp == 2 else (False,)):
             for zero in zeros:
                 extra = (f",ep={ep}" if ep > 1 else "") + (f",cp={cp}" if cp > 1 else "")
@@ -56,7 +61,7 @@ def main() -> int:
     for model in args.models.split(","):
         for tied, optim in itertools.product((True, False), ("sgd", "adamw")):
             graph = tv_ray.capture_step(model, optim=optim, clip=1.0, tied=tied)
-            for spec, flags in configs(experts=has_experts(model)):
+            for spec, flags in configs(experts=has_experts(model), batch=tv_ray.models.get(model).dims["batch"]):
                 row = {"model": model, "tied": tied, "optim": optim, "parallel": spec, **flags}
                 try:
                     plan = tv_ray.parallelize(graph, spec, model=model, **flags)

@@ -3,7 +3,7 @@
     python bench/verify_grid.py [--models llama3-tiny,gpt2-tiny] [--full] [--check-sample 50] [--jobs 1]
                                 [--only cp=2] [--out bench/results/verify_grid.json]
 
-Default grid: dp, tp, pp, mb in {1, 2} x sp (when tp = 2) x zero {0, 3} with
+Default grid: dp, tp, pp, mb in {1, 2} (and mb = 4 with pp = 2) x sp (when tp = 2) x zero {0, 3} with
 AdamW and clipping at 1.0 (tied as the model defines). `--full` adds zero
 1-2, untied/tied and SGD: the 768 configs of bench/plan_grid.py. For each
 config: verify (proved?), write the certificate, `check` it re-solving
@@ -20,6 +20,7 @@ import tempfile
 import time
 
 import tv_ray
+import tv_ray.models
 from plan_grid import configs, finish, has_experts
 from tv_ray.certificate import check_certificate
 from tv_ray.errors import TvRayError
@@ -41,7 +42,8 @@ def main() -> int:
     for model in args.models.split(","):
         for tied, optim in variants:
             graph = tv_ray.capture_step(model, optim=optim, clip=1.0, tied=tied)
-            for spec, flags in configs(range(4) if args.full else (0, 3), has_experts(model)):
+            for spec, flags in configs(range(4) if args.full else (0, 3), has_experts(model),
+                                       tv_ray.models.get(model).dims["batch"]):
                 if args.only not in spec:
                     continue
                 row = {"model": model, "tied": tied, "optim": optim, "parallel": spec, **flags}

@@ -45,6 +45,7 @@ def _collective(plan, op: Op, module: str, axes: tuple[str, ...], phase: str = "
     ("dp=4,ep=2,mb=2", {}, "sgd"),
     ("dp=2,ep=2,tp=2,pp=2,mb=2", {"sp": True, "zero": 1}, "adamw"),
     ("dp=4,ep=2,pp=2", {"zero": 3}, "sgd"),
+    ("tp=2,pp=2,mb=4", {}, "adamw"),            # deadlocked until the loss seed read no loss (test_recipe)
 ])
 def test_expert_parallel_plan_is_proved(graph, spec, flags, optim):
     step = graph if optim == "sgd" else api.capture_step(MODEL, optim="adamw", clip=1.0)

@@ -30,7 +30,8 @@ PINNED = {
     "A10": ((0, 1), "mm_36@0", "bwd", None),
     "A11": ((1,), "mul_73@1", "bwd", "physical = 0.642093 × logical"),
     "A12": ((6,), "nll_loss_backward@0", "bwd", "physical = 2 × logical: a sum where a mean was meant"),
-    "A13": ((5,), "nll_loss_backward@0", "bwd", "physical = 2 × logical: a sum where a mean was meant"),
+    "A13": ((4,), "nll_loss_backward@0", "bwd",     # every rank of stage 1; 4 first
+            "physical = 2 × logical: a sum where a mean was meant"),
     "A14": ((0,), "t_54~2", "bwd", None),
 }
 

@@ -10,6 +10,8 @@ import torch
 import tv_ray
 import tv_ray.models
 from tv_ray.errors import ParallelConfigError
+from tv_ray.execute import check_order
+from tv_ray.ir import Op
 from tv_ray.plan import Plan
 from tv_ray.simulate import simulate
 
@@ -178,13 +180,32 @@ def test_tv_ray_run_exits_1_naming_the_deviating_outputs(llama_sgd, tmp_path, ca
     assert err.startswith("tv-ray run: outputs deviate beyond 1e-09: grad/lm_head.weight (")
 
 
-@pytest.mark.parametrize("spec,flags", [("pp=4,mb=4", {}), ("pp=4,mb=8", {}), ("pp=4,dp=2,tp=2,mb=2", {"sp": True})])
+@pytest.mark.parametrize("spec,flags", [("pp=4,mb=4", {}), ("pp=4,mb=8", {}), ("pp=4,dp=2,tp=2,mb=2", {"sp": True}),
+                                        ("dp=2,pp=2,mb=4", {"zero": 3})])   # ZeRO-3's weights gathered, not samples
 def test_deeper_pipelines_run_1f1b_without_deadlock(spec, flags):
     model = tv_ray.models.get("llama3-tiny").with_dims(layers=4, tied=True)
     graph = tv_ray.capture_step(model, optim="adamw", clip=1.0)
     plan = tv_ray.parallelize(graph, spec, model=model, **flags)
-    assert sorted(plan.programs) == ["stage0", "stage1", "stage2", "stage3"]
+    assert sorted(plan.programs) == [f"stage{s}" for s in range(dict(plan.mesh)["pp"])]
     assert _worst(plan, seed=5) == {}
+
+
+@pytest.mark.parametrize("spec, zero", [("tp=2,pp=2,mb=4", 0), ("dp=2,pp=2,mb=4", 3)])
+def test_the_last_stage_of_a_moe_pipeline_runs_1f1b(spec, zero):
+    """Two ways every backward of the last stage came to wait for its last forward, deadlocking against the first
+    stage's 1F1B. With tp the MoE loss (cross-entropy plus the aux loss) is summed over the microbatches and then
+    all-reduced once, and the backward's seed, a full_like of the loss, read that sum: the seed is a constant now.
+    Under ZeRO-3 the experts' bmm matched its batch dim (the experts) to the weight's dp cut, which gathered the
+    tokens of every microbatch at once: batch axes stay on the data, the weight is gathered."""
+    plan = tv_ray.parallelize(tv_ray.capture_step("deepseek-tiny"), spec, model="deepseek-tiny", zero=zero)
+    last = plan.programs["stage1"].nodes
+    forward_recvs = [i for i, n in enumerate(last) if n.op == Op.RECV and n.get_meta("phase") == "fwd"]
+    microbatch = [last[i].get_meta("mb") for i in forward_recvs]
+    first_send = next(i for i, n in enumerate(last) if n.op == Op.SEND)
+    assert last[first_send].get_meta("mb") == 0
+    assert all(mb == 0 for i, mb in zip(forward_recvs, microbatch) if i < first_send)   # F0 B0 F1 B1 …
+    check_order(plan, plan.dims)
+    assert _worst(plan, seed=0) == {}
 
 
 def test_samples_are_cut_over_dp_and_a_buffer_without_samples_is_whole():

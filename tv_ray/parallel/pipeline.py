@@ -71,13 +71,16 @@ class Stager:
         self.layers = layers or (max(found) + 1 if found else 0)
         if self.layers < self.pp:
             raise ParallelConfigError(f"pp = {self.pp} is more than the model's {self.layers} layers")
+        self.phase, seeds = self.phases()
+        self.program = self._constant_seeds(seeds)
 
     def pin(self, name: str) -> int | None:
         m = LAYER.match(name)
         return int(m.group(1)) * self.pp // self.layers if m else None
 
-    def phases(self) -> dict[str, str]:
-        """fwd / bwd / optim for each op: bwd = downstream of the loss seed (a full_like of the loss)."""
+    def phases(self) -> tuple[dict[str, str], set[str]]:
+        """fwd / bwd / optim for each op (bwd = downstream of the loss seed, a full_like of the loss), and the
+        seed."""
         loss = self.program.output_map.get("loss")
         phase: dict[str, str] = {s.name: "input" for s in self.program.inputs}
         seeds = set()
@@ -92,10 +95,21 @@ class Stager:
                 phase[node.name] = "bwd"
             else:
                 phase[node.name] = "fwd"
-        return phase
+        return phase, seeds
+
+    def _constant_seeds(self, seeds: set[str]) -> Graph:
+        """The program with the loss seed made a constant of the loss's shape: a full_like reads its argument
+        for the shape alone, and the argument can be the loss summed over every microbatch (it is when the loss
+        is all-reduced over tp after that sum), which would make every backward wait for the last forward
+        and break 1F1B — a deadlock against the stage before, which sends its next forward only once a
+        backward came back."""
+        nodes = tuple(Node.make(node.name, Op.FULL, [], {"size": node.shape, "value": node.attr["value"],
+                                                          "dtype": node.dtype}, node.shape, node.dtype, dict(node.meta))
+                      if node.name in seeds else node for node in self.program.nodes)
+        return Graph(self.program.inputs, nodes, self.program.outputs, self.program.name)
 
     def assign(self) -> tuple[dict[str, int | None], dict[str, str]]:
-        phase = self.phases()
+        phase = self.phase
         stage: dict[str, int | None] = {s.name: self.pin(s.name) for s in self.program.inputs}
         grad_home: dict[str, int | None] = {}
         grad_of = {value: out[5:] for out, value in self.program.outputs if out.startswith("grad/")}

@@ -175,11 +175,17 @@ def _matmul(node: Node, a: Layout, b: Layout, env: Env, batch: bool) -> Decision
         b = b.without_partial()
     partial.update(dict(a.partial or b.partial))
     taken = set(partial)
+    # batch axes stay on data here too: a weight cut along the contraction (or bmm's batch dim: the experts)
+    # by an axis that cuts the data's samples — a ZeRO-3 shard — is gathered, not matched there; that would
+    # gather the samples instead, every microbatch's at once, and make each backward wait for the last forward
+    on_data = _dim_axes(a.dims[off]) if a_data and not b_data else \
+        _dim_axes(b.dims[off + 1]) if b_data and not a_data else set()
+    samples = on_data & BATCH_AXES
     bdim: tuple[Dim, Dim] | tuple = ()
     if batch:
-        bdim = _resolve(a.dims[0], b.dims[0], taken)
+        bdim = _resolve(a.dims[0], b.dims[0], taken | samples)
         taken |= _dim_axes(bdim[0])
-    k_a, k_b = _resolve(a.dims[off + 1], b.dims[off], taken)
+    k_a, k_b = _resolve(a.dims[off + 1], b.dims[off], taken | samples)
     taken |= _dim_axes(k_a)
     m, n = _drop_conflicts(a.dims[off], b.dims[off + 1], a_data, b_data, taken)
     for axis in _dim_axes(k_a):
