@@ -25,6 +25,7 @@ def base():
     ("llama3-tiny", "dp=2,cp=2", {"zero": 1}, "adamw"),
     ("llama3-tiny", "cp=2,tp=2", {"sp": True}, "adamw"),
     ("gpt2-tiny", "cp=2,tp=2,mb=2", {"zero": 2}, "adamw"),
+    ("gpt2-tiny", "dp=2,pp=2,cp=2", {}, "adamw"),     # a mirror's own value sent: its send was evaluated as an op
 ])
 def test_context_parallel_plan_is_proved(model, spec, flags, optim):
     plan = api.parallelize(api.capture_step(model, optim=optim, clip=1.0), spec, model=model, **flags)

@@ -98,8 +98,8 @@ class StandIns:
             return self._stood.pop(state.rank, None)
         if node.op == Op.RECV:
             return self._received_kind
-        if not node.args:
-            return None
+        if not node.args or node.op == Op.SEND:
+            return None         # a send's result is a token; what its mirrors send travels with it (`send_extra`)
         kinds = [self._kinds.get((state.rank, a)) for a in node.args]
         if any(isinstance(k, dict) for k in kinds):
             if node.op in SHAPE_ONLY:
