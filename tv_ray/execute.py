@@ -251,11 +251,12 @@ class OrderRun(Scheduler):
     every such axis (`symmetric`) are stepped, and the others' inputs to a collective are their images' there.
     A 8,192-rank plan whose dp and tp ranks share programs costs its pp ranks' communications."""
 
-    def __init__(self, plan: Plan, dims: dict[str, int]):
+    def __init__(self, plan: Plan, dims: dict[str, int], sliced: bool = True):
+        """`sliced`: step one slice of the mesh (False: every rank)."""
         self.layouts = PerProgram(plan, lambda program: _Layout(program, dims))
         names, ids = plan.rank_programs()
         super().__init__(plan, dims, [self.layouts[names[ids[r]]] for r in range(plan.num_ranks)])
-        self.symmetric = symmetric_axes(plan)
+        self.symmetric = symmetric_axes(plan) if sliced else ()
         table = plan.coord_table()
         sliced = np.all(table[:, [plan.axes.index(a) for a in self.symmetric]] == 0, axis=1)
         self.active = [state for state in self.ranks if sliced[state.rank]]
@@ -338,9 +339,9 @@ class _Layout(dict):
         return found
 
 
-def check_order(plan: Plan, dims: dict[str, int]) -> None:
+def check_order(plan: Plan, dims: dict[str, int], sliced: bool = True) -> None:
     """Raise CommunicationError unless every rank's communication can complete (`OrderRun`) at `dims`."""
-    OrderRun(plan, dims).run()
+    OrderRun(plan, dims, sliced).run()
 
 
 class PerProgram(dict):
