@@ -325,17 +325,16 @@ class _Layout(dict):
 
     def __init__(self, program: Graph, dims: dict[str, int]):
         super().__init__()
-        self.specs = {s.name: (s.shape, s.dtype) for s in program.inputs}
-        self.specs |= {n.name: (n.shape, n.dtype) for n in program.nodes}
-        self.dims = dims
+        self.program, self.dims = program, dims
         self.next = [len(program.nodes)] * (len(program.nodes) + 1)
         for position in range(len(program.nodes) - 1, -1, -1):
             self.next[position] = position if program.nodes[position].op in COMMUNICATION \
                 else self.next[position + 1]
 
     def __missing__(self, name: str) -> np.ndarray:
-        shape, dtype = self.specs[name]
-        found = self[name] = np.broadcast_to(np.zeros((), self._DTYPES[dtype]), instantiate_shape(shape, self.dims))
+        made = self.program.value(name)
+        found = self[name] = np.broadcast_to(np.zeros((), self._DTYPES[made.dtype]),
+                                             instantiate_shape(made.shape, self.dims))
         return found
 
 

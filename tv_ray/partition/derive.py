@@ -108,16 +108,11 @@ def claims_for(plan: Plan, dims: dict[str, int], seed: int = 0, ranks: np.ndarra
     representative's, moved, so it needs none of its own. `blocks`: the microbatch symmetry's blocks, by which
     microbatch k's ops are first offered microbatch 0's claims moved (`infer_claims`).
 
-    A plan larger than `CONCRETE_LIMIT` op executions is not run concretely: its communication order is run
-    without values instead (`check_order`: the stages are generated per pipeline shard, which matches sends
-    with recvs but cannot see whether the schedule completes), its claims are its lineage (boundary and
-    intermediate) alone, made only on `ranks`, nothing is matched by value and no output is checked at a
-    point — which changes only where stages are cut, never what a proof needs. There microbatch k's stated
-    claims that are microbatch 0's moved (by `blocks`) are made when asked (`Claims`).
-
-    Raises CommunicationError when the plan's communication cannot complete."""
+    A plan larger than `CONCRETE_LIMIT` op executions is not run concretely: its claims are its lineage
+    (boundary and intermediate) alone, made only on `ranks`, nothing is matched by value and no output is
+    checked at a point — which changes only where stages are cut, never what a proof needs. There microbatch
+    k's stated claims that are microbatch 0's moved (by `blocks`) are made when asked (`Claims`)."""
     if ops_of(plan, range(plan.num_ranks)) > CONCRETE_LIMIT:
-        check_order(plan, dims)
         shapes = {s.name: instantiate_shape(s.shape, dims) for s in plan.logical.inputs}
         shapes |= {n.name: instantiate_shape(n.shape, dims) for n in plan.logical.nodes}
         return [], stated_claims(plan, shapes, ranks, blocks)
@@ -166,10 +161,15 @@ def output_deviations(plan: Plan, runs: list[ConcreteRun]) -> list[dict]:
 
 def derive_claims(plan: Plan, settings: Settings = Settings()) -> Derivation:
     """Steps 1–3: reduced shapes, mirrors, concrete runs, claims and output deviations; no stages yet.
-    Raises CommunicationError when the plan's communication cannot complete."""
+    Raises CommunicationError when the plan's communication cannot complete: in the concrete runs, or, for a
+    plan too large to run, in its communication order run without values (`check_order`; the stages are
+    generated per pipeline shard, which matches sends with recvs but cannot see whether the schedule
+    completes)."""
     reduction = reduce_plan(plan)
     found, notes = find_mirrors(plan, reduction.reduced, settings.symmetry)
     runs, claims = derived_claims(plan, reduction.reduced, found, settings.symmetry, settings.seed)
+    if not runs:
+        check_order(plan, reduction.reduced)
     return Derivation(plan, settings, reduction, found, notes, runs, claims, output_deviations(plan, runs),
                       complete=found is None)
 
