@@ -1,12 +1,12 @@
 """The full plan grid through the simulator: every built-in recipe config must match the logical step.
 
-    python bench/plan_grid.py [--models llama3-tiny,gpt2-tiny] [--out bench/results/plan_grid.json]
+    python bench/plan_grid.py [--models llama3-tiny,gpt2-tiny] [--only cp=2] [--out bench/results/plan_grid.json]
 
 Grid: dp, tp, pp, mb in {1, 2} (and mb = 4 with pp = 2: more microbatches than stages, where 1F1B has a steady
-state) x sp (when tp = 2) x zero 0-3 x tied on/off x sgd/adamw, with clipping at 1.0; for a model with routed
-experts also ep = 2
-(carved out of dp: dp = 2 and dp = 4), for the others cp = 2 (dp = 1 and 2). Records the max abs deviation of every config
-and exits 1 if any exceeds 1e-9 or fails to build.
+state) x sp (when tp = 2) x zero 0-3 x tied on/off x sgd/adamw, with clipping at 1.0; cp = 2 (dp = 1 and 2); for a
+model with routed experts also ep = 2 (carved out of dp: dp = 2 and dp = 4, and dp = 2 with cp = 2). Records the
+max abs deviation of every config and exits 1 if any exceeds 1e-9 or fails to build. `--only TEXT`: the configs
+whose parallel spec holds TEXT.
 """
 from __future__ import annotations
 
@@ -24,9 +24,10 @@ TOL = 1e-9
 
 
 def configs(zeros=range(4), experts: bool = False, batch: int = 8):
-    """Every recipe config of the grid: (parallel spec, flags); `experts`: with ep = 2 too, else with cp = 2 too
-    (cp with routed experts is refused); the data-parallel degree times the microbatches divides `batch`."""
-    data = [(1, 1, 1), (2, 1, 1)] + ([(2, 2, 1), (4, 2, 1)] if experts else [(1, 1, 2), (2, 1, 2)])
+    """Every recipe config of the grid: (parallel spec, flags); cp = 2 too, and `experts`: ep = 2 too (with cp as
+    well); the data-parallel degree times the microbatches divides `batch`."""
+    data = [(1, 1, 1), (2, 1, 1)] + ([(2, 2, 1), (4, 2, 1)] if experts else []) + [(1, 1, 2), (2, 1, 2)] + \
+        ([(2, 2, 2)] if experts else [])
     pipelines = [(1, 1), (1, 2), (2, 1), (2, 2), (2, 4)]      # (pp, mb)
     for (dp, ep, cp), tp, (pp, mb) in itertools.product(data, (1, 2), pipelines):
         if batch % (dp * mb):
@@ -55,6 +56,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default="llama3-tiny,gpt2-tiny")
     parser.add_argument("--out", default="bench/results/plan_grid.json")
+    parser.add_argument("--only", default="", help="the configs whose parallel spec holds this text")
     args = parser.parse_args()
     rows, failures = [], 0
     start = time.perf_counter()
@@ -62,6 +64,8 @@ def main() -> int:
         for tied, optim in itertools.product((True, False), ("sgd", "adamw")):
             graph = tv_ray.capture_step(model, optim=optim, clip=1.0, tied=tied)
             for spec, flags in configs(experts=has_experts(model), batch=tv_ray.models.get(model).dims["batch"]):
+                if args.only not in spec:
+                    continue
                 row = {"model": model, "tied": tied, "optim": optim, "parallel": spec, **flags}
                 try:
                     plan = tv_ray.parallelize(graph, spec, model=model, **flags)

@@ -8,7 +8,7 @@ over dp × cp. Ring attention (send/recv of key/value blocks, online softmax) is
 """
 import pytest
 
-from tests.engine.mutants import reduced_over, refuted_at
+from tests.engine.mutants import _like, edit, reduced_over, refuted_at, with_program
 from tv_ray import api
 from tv_ray.engine.driver import verify_plan
 from tv_ray.errors import ParallelConfigError
@@ -26,6 +26,8 @@ def base():
     ("llama3-tiny", "cp=2,tp=2", {"sp": True}, "adamw"),
     ("gpt2-tiny", "cp=2,tp=2,mb=2", {"zero": 2}, "adamw"),
     ("gpt2-tiny", "dp=2,pp=2,cp=2", {}, "adamw"),     # a mirror's own value sent: its send was evaluated as an op
+    ("deepseek-tiny", "cp=2", {}, "sgd"),              # routed experts read a chunk's tokens: a strided row set
+    ("deepseek-tiny", "dp=2,ep=2,cp=2", {"zero": 1}, "adamw"),
 ])
 def test_context_parallel_plan_is_proved(model, spec, flags, optim):
     plan = api.parallelize(api.capture_step(model, optim=optim, clip=1.0), spec, model=model, **flags)
@@ -88,8 +90,23 @@ def test_weight_gradient_not_reduced_over_cp_is_refuted_at_its_reduction(base):
 @pytest.mark.parametrize("model, spec, flags, message", [
     ("llama3-tiny", "cp=3", {}, "cp = 3 must divide seq = 16"),
     ("llama3-tiny", "cp=3,tp=2", {"sp": True}, "cp*tp = 6 must divide seq = 16"),
-    ("deepseek-tiny", "cp=2", {}, "cp with routed experts is not built yet"),
 ])
 def test_impossible_context_parallel_configs_are_refused(model, spec, flags, message):
     with pytest.raises(ParallelConfigError, match=message.replace("*", r"\*")):
         api.parallelize(api.capture_step(model), spec, model=model, **flags)
+
+
+def test_b6_auxiliary_loss_gradient_divided_by_cp_is_refuted_at_the_balance_loss_backward():
+    """B6: the balance loss's backward reads the experts' load (each sequence's choices, summed over its cp chunks)
+    divided by cp once more: the router's gradient and everything upstream of it wrong, the loss right. Refuted at
+    the first op that reads the scaled load, the gradient of the scores' mean (the scaled load has no logical
+    tensor of its own to be claimed as)."""
+    plan = api.parallelize(api.capture_step("deepseek-tiny"), "dp=2,cp=2", model="deepseek-tiny")
+    program = plan.programs["main"]
+    (load,) = [n for n in program.nodes if n.op == Op.ALL_REDUCE and n.get_meta("phase") == "bwd"
+               and n.get_meta("module") == "layers.1.mlp" and n.attr["axes"] == ("cp",)]
+    (reader,) = [n for n in program.nodes if load.name in n.args]
+    scaled = _like(load, f"{load.name}.over_cp", "mul", [load.name], {"other": 0.5})
+    mutated = edit(program, "main", after={load.name: [scaled]}, rename_args={load.name: scaled.name})
+    headline = refuted_at(with_program(plan, "main", mutated), reader.name, "bwd", "layers.1.mlp")
+    assert "physical = 0.5 × logical" in headline, headline

@@ -6,10 +6,11 @@ import pickle
 from collections import Counter
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from tv_ray import api
-from tv_ray.partition.claims import Claims, input_claims, interior_claims, output_claims, stated_claims
+from tv_ray.partition.claims import Claims, input_claims, interior_claims, output_claims, stated_claims, token_data
 from tv_ray.partition.derive import unmirrored
 from tv_ray.partition.generate import partition
 from tv_ray.partition.symmetry import find_mirrors, microbatch_moves
@@ -100,3 +101,16 @@ def test_a_claim_set_or_taken_leaves_the_others_as_they_were(planned):
     assert dict(claims) == full
     with pytest.raises(KeyError):
         claims[rank, "nowhere"]
+
+
+def test_digit_runs_tell_every_two_token_positions_apart():
+    """A sequence longer than the vocabulary repeats ids in the random run (positions `high` apart are equal), so a
+    chunk of flattened tokens could match the rows `high` positions on in every run, a claim that is no identity
+    (deepseek-tiny cp=2 at vocab 2, seq 4: rank 0's rows 0, 1, 4, 5 matched rows 2-5). The digit runs number the
+    elements, not the rows: over them every two positions differ."""
+    shape, high = (2, 4), 2
+    rng = np.random.default_rng(0)
+    random_run = token_data(shape, high, rng, None).reshape(-1)
+    assert random_run[0] == random_run[2] and random_run[1] == random_run[3]      # a row repeats past `high`
+    runs = np.stack([token_data(shape, high, rng, k).reshape(-1) for k in range(3)])   # ceil(log_2 8) digit runs
+    assert all((runs[:, i] != runs[:, j]).any() for i in range(8) for j in range(i))

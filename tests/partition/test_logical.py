@@ -9,6 +9,7 @@ from tv_ray.partition import logical as logical_module
 from tv_ray.partition.logical import LogicalTerms
 from tv_ray.partition.symmetry import Blocks
 from tv_ray.reduce import reduce_plan
+from tv_ray.terms import Kind, postorder
 
 
 @pytest.mark.parametrize("model", ["llama3-tiny", "gpt2-tiny"])
@@ -122,3 +123,25 @@ def test_every_blocks_contribution_summed_is_the_whole_definition(model):
             whole = lt.definition_at(name, tuple(slice(0, n) for n in lt.shape_of(name)) + (Ellipsis,))
             assert all(a is b for a, b in zip(summed(name).reshape(-1), whole.reshape(-1))), name
     assert views and set(lt._parts) == lt.contributions
+
+
+def test_a_tensor_unfolding_brought_in_is_unfolded_where_the_other_side_computed_it():
+    """x → w = exp(x) → t = 2w → p = t·w → y = p + x. The physical side read t's claim and computed exp(x) itself
+    (t·exp(x) + x); the claim is y. Unfolding y, then p, then t (the latest tensor derived from one only one side
+    reads) leaves both sides reading w and x — one holding exp(x) where the other holds w's atom, unrelated
+    variables to a solver. w, which unfolding brought in and which is computed from x, is unfolded too."""
+    from tv_ray.ir import Expr, Graph, Node, Op, TensorSpec
+    from tv_ray.partition.stages import expand
+    from tv_ray.terms import add, app, mul
+    from tv_ray.terms.random_point import refute
+    x = TensorSpec("x", (Expr.of(1),), "float")
+    nodes = [Node.make("w", Op.EXP, ("x",), {}, (1,)),
+             Node.make("t", Op.MUL, ("w",), {"other": 2.0}, (1,)),
+             Node.make("p", Op.MUL, ("t", "w"), {}, (1,)),
+             Node.make("y", Op.ADD, ("p", "x"), {}, (1,))]
+    lt = LogicalTerms.build(Graph(inputs=(x,), nodes=tuple(nodes), outputs=(("out", "y"),)), {})
+    (x0,), (t0,), (y0,) = (logical_module.atoms(name, (1,)) for name in ("x", "t", "y"))
+    lhs, rhs, unfolded = expand([add(mul(t0, app("exp", x0)), x0)], [y0], lt)
+    assert unfolded == {"y", "p", "t", "w"}
+    assert lhs == rhs or refute(lhs[0], rhs[0]).verdict != "refuted"
+    assert {lt.tensor_of(n) for side in (lhs, rhs) for n in postorder(*side) if n.kind is Kind.VAR} == {"x"}

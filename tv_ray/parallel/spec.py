@@ -95,9 +95,6 @@ class ParallelSpec:
         if self.cp > 1:
             need("seq" in dims and dims["seq"] % self.cp == 0,
                  f"cp = {self.cp} must divide seq = {dims.get('seq', 'none: the model has no sequence')}")
-            need("experts" not in dims, "cp with routed experts is not built yet: the experts read a sequence "
-                                        "chunk's tokens flattened with the batch, a strided set of the logical "
-                                        "tokens that no claim states, and their stages end unknown")
         if layers is not None:
             need(self.pp <= layers, f"pp = {self.pp} is more than the model's {layers} layers")
 

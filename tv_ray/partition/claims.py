@@ -410,17 +410,18 @@ def token_data(shape: tuple[int, ...], high: int, rng: np.random.Generator, digi
     step coprime to `high`: no two of a row's first `high` positions hold equal ids — equal ids make some
     gradients exactly zero, and a zero tensor matches any slice). Random starts and random steps: a row's ids
     spread over the range, so a vocabulary split into contiguous shards has some in each (a vocabulary-parallel
-    rank's partial embedding is not the whole one); or, with `digit` k, step 1 from the k-th base-`high` digit
-    of the row number, so over runs k = 0, 1, ... every two rows differ in some run."""
+    rank's partial embedding is not the whole one). A row longer than `high` repeats itself, so positions `high`
+    apart hold equal ids in such a run. With `digit` k, each element holds the k-th base-`high` digit of its
+    number, so over runs k = 0, 1, ... every two elements differ in some run: no slice of tokens matches another
+    by value in every run (a context-parallel chunk of flattened tokens matched the rows `high` positions on)."""
+    if digit is not None:
+        return ((np.arange(int(np.prod(shape))) // high ** digit) % high).reshape(shape)
     rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
     n = shape[-1] if shape else 1
-    if digit is None:
-        starts = rng.integers(0, high, size=rows)
-        steps = rng.integers(1, max(high, 2), size=rows)
-        while high > 1 and (bad := np.gcd(steps, high) != 1).any():
-            steps[bad] = rng.integers(1, high, size=int(bad.sum()))
-    else:
-        starts, steps = (np.arange(rows) // high ** digit) % high, np.ones(rows, dtype=np.int64)
+    starts = rng.integers(0, high, size=rows)
+    steps = rng.integers(1, max(high, 2), size=rows)
+    while high > 1 and (bad := np.gcd(steps, high) != 1).any():
+        steps[bad] = rng.integers(1, high, size=int(bad.sum()))
     return ((starts[:, None] + steps[:, None] * np.arange(n)[None, :]) % high).reshape(shape)
 
 
@@ -491,15 +492,14 @@ def _anchor(value: np.ndarray) -> int | None:
 
 
 def runs_for(plan: Plan, dims: dict[str, int], seed: int = 0) -> tuple[list[ConcreteRun], dict]:
-    """One random run and enough digit runs that every two rows of int data differ in one of them."""
+    """One random run and enough digit runs that every two elements of int data differ in one of them."""
     first, claims = run_concrete(plan, dims, seed)
-    rows, highs = 1, []
+    count, highs = 1, []
     for spec in plan.logical.inputs:
         if spec.dtype == "int" and spec.high is not None:
-            shape = first.logical[spec.name].shape
-            rows = max(rows, int(np.prod(shape[:-1])) if len(shape) > 1 else 1)
+            count = max(count, first.logical[spec.name].size)
             highs.append(spec.high.eval(dims) if hasattr(spec.high, "eval") else int(spec.high))
-    digits = 0 if not highs else max(1, int(np.ceil(np.log(max(rows, 2)) / np.log(max(2, min(highs))))))
+    digits = 0 if not highs else max(1, int(np.ceil(np.log(max(count, 2)) / np.log(max(2, min(highs))))))
     runs = [first] + [run_concrete(plan, dims, seed + 1 + k, digit=k)[0] for k in range(digits)]
     return runs, claims
 

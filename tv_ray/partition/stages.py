@@ -65,7 +65,8 @@ from tv_ray.terms.linear import collect
 
 BAR_STEP = 4096              # ops stepped between progress bar updates
 REPLAY_DEPTH = 4             # ops a pipeline shard re-runs to rebuild a value another shard sends uncut
-EXPAND_ROUNDS = 24
+EXPAND_ROUNDS = 512         # unfoldings of a stage's tensors, each a pass over its formula (a MoE block: ~130)
+EXPAND_TRIES = 24           # ... kept only if they close the formula; else the formula after these
 EXPAND_GROWTH, EXPAND_SLACK = 3, 1000      # stop unfolding past 3x the formula's size + 1000 nodes
 # a stage formula larger than this is not formed (keying, unfolding and solving it would take minutes): its
 # stage is unknown, with the reason. The largest stage of the CI grid plans has ~5,000 nodes.
@@ -1293,10 +1294,15 @@ def expand(lhs: list[Term], rhs: list[Term], logical: LogicalTerms) -> tuple[lis
     other reads W = f(U), and as free variables they would look unrelated.
     Replacing W's atoms by W's definition is the logical graph's own equation,
     so the obligation stays equivalent to the claim; latest tensor first.
-    A W that is U's elements moved (views, copies) is unfolded first, even
-    where both sides read both: one side may read an element as U's and the
-    other as W's (a context-parallel chunk of flattened tokens, a strided set
-    of W's rows no claim states, read through U).
+    A W that is U's elements moved (views, copies) is unfolded first, every
+    such W at once (nothing grows), even where both sides read both: one side
+    may read an element as U's and the other as W's (a context-parallel chunk
+    of flattened tokens, a strided set of W's rows no claim states, read
+    through U). So is a W that unfolding brought in, computed from U: one side
+    may hold W's atoms (its unfolded consumer read them) where the other
+    computed W from U itself (the routed experts of a context-parallel chunk,
+    whose router scores no claim cuts: a stage spanning a whole MoE block, a
+    hundred unfoldings deep).
     """
     unfolded: set[str] = set()
     if all(a is b for a, b in zip(lhs, rhs)):
@@ -1306,27 +1312,38 @@ def expand(lhs: list[Term], rhs: list[Term], logical: LogicalTerms) -> tuple[lis
     if left == right and not views:
         return lhs, rhs, frozenset()    # the common case: both sides read the same tensors
     budget = EXPAND_GROWTH * _size(lhs + rhs) + EXPAND_SLACK
+    read = left | right
+    tried = None        # the formula after EXPAND_TRIES unfoldings
     for round_ in range(EXPAND_ROUNDS):
+        if round_ == EXPAND_TRIES:
+            tried = lhs, rhs, frozenset(unfolded)
         if round_:
             if _size(lhs + rhs) > budget:
                 break    # unfolding further would not close it: a real difference (a bug) or a gap
             left, right = _logical_atoms(lhs, logical), _logical_atoms(rhs, logical)
             views = logical.views_of_others(left | right)
         present = left | right
-        differ = left ^ right or views
+        differ = left ^ right or views or {t for t in present - read if logical.derives_from(t, present - {t})}
         if not differ:
-            break
-        derived = list(views) or [t for t in present if (t in differ and logical.derives_from(t, present - {t}))
-                                  or logical.derives_from(t, differ - {t})] \
-            or list(differ)     # else: the other side inlines it
-        tensor = max(derived, key=lambda t: logical.order[t])
-        unfolded.add(tensor)
-        mapping = logical.unfolding(tensor, [n for n in postorder(*lhs, *rhs)
-                                             if n.kind is Kind.VAR and logical.tensor_of(n) == tensor])
+            return lhs, rhs, frozenset(unfolded)
+        if views:           # all at once: each atom becomes one of its source's, nothing grows
+            tensors = set(views)
+        else:               # one at a time, latest first
+            derived = [t for t in present if (t in differ and logical.derives_from(t, present - {t}))
+                       or logical.derives_from(t, differ - {t})] or list(differ)     # else: the other side inlines it
+            tensors = {max(derived, key=lambda t: logical.order[t])}
+        unfolded |= tensors
+        mapping: dict[Term, Term] = {}
+        for tensor in tensors:
+            mapping |= logical.unfolding(tensor, [n for n in postorder(*lhs, *rhs)
+                                                  if n.kind is Kind.VAR and logical.tensor_of(n) == tensor])
         memo: dict = {}
         lhs = [substitute(t, mapping, memo) for t in lhs]
         rhs = [substitute(t, mapping, memo) for t in rhs]
-    return lhs, rhs, frozenset(unfolded)
+    # not closed: a real difference or a gap. The formula after the first tries is as good a witness as a larger
+    # one, and solvers and random points do better on it (a wrong stage unfolded 500 deep hid from random points
+    # behind exp overflows and sent SMT minutes of work)
+    return tried or (lhs, rhs, frozenset(unfolded))
 
 
 __all__ = ["Obligation", "Partition", "LogicalTerms", "SymbolicRun", "fingerprint", "expand", "atoms", "Mirrored"]

@@ -437,8 +437,11 @@ def rebuild(node: Term, args: list[Term]) -> Term:
 
 def substitute(root: Term, mapping: dict[Term, Term], memo: dict | None = None) -> Term:
     """`root` with every variable in `mapping` replaced by its image (one simultaneous pass)."""
-    return fold(root, lambda node, args: mapping.get(node, node) if node.kind is Kind.VAR else
-                rebuild(node, args), memo)
+    def visit(node: Term, args: list[Term]) -> Term:
+        if node.kind is Kind.VAR:
+            return mapping.get(node, node)
+        return node if all(a is b for a, b in zip(args, node.args)) else rebuild(node, args)
+    return fold(root, visit, memo)
 
 
 def size(root: Term) -> int:
