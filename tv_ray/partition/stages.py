@@ -1333,10 +1333,13 @@ def expand(lhs: list[Term], rhs: list[Term], logical: LogicalTerms) -> tuple[lis
                        or logical.derives_from(t, differ - {t})] or list(differ)     # else: the other side inlines it
             tensors = {max(derived, key=lambda t: logical.order[t])}
         unfolded |= tensors
+        present_atoms: dict[str, list[Term]] = {t: [] for t in tensors}      # one pass for every tensor unfolded
+        for n in postorder(*lhs, *rhs):
+            if n.kind is Kind.VAR and (tensor := logical.tensor_of(n)) in present_atoms:
+                present_atoms[tensor].append(n)
         mapping: dict[Term, Term] = {}
-        for tensor in tensors:
-            mapping |= logical.unfolding(tensor, [n for n in postorder(*lhs, *rhs)
-                                                  if n.kind is Kind.VAR and logical.tensor_of(n) == tensor])
+        for tensor, atoms_ in present_atoms.items():
+            mapping |= logical.unfolding(tensor, atoms_)
         memo: dict = {}
         lhs = [substitute(t, mapping, memo) for t in lhs]
         rhs = [substitute(t, mapping, memo) for t in rhs]
