@@ -27,7 +27,7 @@ def base():
     ("gpt2-tiny", "cp=2,tp=2,mb=2", {"zero": 2}, "adamw"),
     ("gpt2-tiny", "dp=2,pp=2,cp=2", {}, "adamw"),     # a mirror's own value sent: its send was evaluated as an op
     ("deepseek-tiny", "cp=2", {}, "sgd"),              # routed experts read a chunk's tokens: a strided row set
-    ("deepseek-tiny", "dp=2,ep=2,cp=2", {"zero": 1}, "adamw"),
+    ("deepseek-tiny", "dp=2,ep=2,cp=2", {}, "adamw"),    # no ZeRO: its dp ranks are not mirrored (2.5x the time)
 ])
 def test_context_parallel_plan_is_proved(model, spec, flags, optim):
     plan = api.parallelize(api.capture_step(model, optim=optim, clip=1.0), spec, model=model, **flags)

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 import torch
 import torch.fx.traceback as fx_traceback
 from torch._decomp import get_decompositions
-from torch._functorch import aot_autograd
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from tv_ray.errors import CaptureError, JointTaken
@@ -149,6 +148,7 @@ def _annotate_modules(model: torch.nn.Module):
 def _take_joint():
     """Stop `aot_export_module` where it would re-trace its joint graph (`make_fx` of a function closing over it),
     raising `JointTaken` with that graph."""
+    from torch._functorch import aot_autograd       # here, not at import: a traced rank never needs it (1.7 s)
     original = aot_autograd.make_fx
 
     def make_fx(fn, *args, **kwargs):
@@ -239,6 +239,7 @@ def fake_inputs(mode: FakeTensorMode, tensors) -> tuple[FakeTensor, ...]:
 
 def trace_joint(model: torch.nn.Module, inputs: tuple, mode: FakeTensorMode | None = None) -> Joint:
     """Trace forward + backward of ``loss = model(*inputs)`` (under `mode` if the module is fake)."""
+    from torch._functorch import aot_autograd
     wrapper = _LossTuple(model)
     try:
         with contextlib.ExitStack() as stack:

@@ -1281,8 +1281,73 @@ def _logical_atoms(terms: list[Term], logical: LogicalTerms) -> set[str]:
     return out
 
 
+class _Reach:
+    """The logical tensors whose atoms lie under each node, remembered across an expansion's rounds: a round then
+    visits only the nodes above the atoms it unfolds (a stage spanning a MoE block takes a hundred rounds)."""
+
+    NONE: frozenset[str] = frozenset()
+
+    def __init__(self, logical: LogicalTerms):
+        self.logical = logical
+        self.memo: dict[Term, frozenset[str]] = {}
+
+    def of(self, terms: list[Term]) -> set[str]:
+        """The logical tensors the terms read (`_logical_atoms`)."""
+        return set().union(*[self.under(t) for t in terms])
+
+    def under(self, root: Term) -> frozenset[str]:
+        memo, tensor_of = self.memo, self.logical.tensor_of
+        stack = [(root, False)]
+        while stack:
+            node, done = stack.pop()
+            if node in memo:
+                continue
+            if not done:
+                stack.append((node, True))
+                stack.extend((a, False) for a in node.args if a not in memo)
+                continue
+            if node.kind is Kind.VAR:
+                tensor = tensor_of(node)
+                memo[node] = self.NONE if tensor is None else frozenset((tensor,))
+                continue
+            found = self.NONE
+            for a in node.args:
+                below = memo[a]
+                if not below <= found:
+                    found = below if not found else found | below
+            memo[node] = found
+        return memo[root]
+
+    def atoms(self, terms: list[Term], tensors: set[str]) -> dict[str, list[Term]]:
+        """The atoms of each of `tensors` in the terms, visiting only nodes above them."""
+        out: dict[str, list[Term]] = {t: [] for t in tensors}
+        seen: set[Term] = set()
+        stack = [t for t in terms]
+        while stack:
+            node = stack.pop()
+            if node in seen or self.under(node).isdisjoint(tensors):
+                continue
+            seen.add(node)
+            if node.kind is Kind.VAR:
+                out[self.logical.tensor_of(node)].append(node)
+            stack.extend(node.args)
+        return out
+
+    def substitute(self, terms: list[Term], mapping: dict[Term, Term], tensors: set[str], memo: dict) -> list[Term]:
+        """`substitute` of the atoms of `tensors`, leaving every node with none of them under it unvisited."""
+        return [substitute(t, mapping, memo, keep=lambda node: self.under(node).isdisjoint(tensors)) for t in terms]
+
+
 def _size(terms: list[Term]) -> int:
-    return len(postorder(*terms))
+    """The number of distinct nodes under the terms (`postorder`'s length, counted without ordering them)."""
+    seen: set[Term] = set()
+    stack = list(terms)
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.args)
+    return len(seen)
 
 
 def expand(lhs: list[Term], rhs: list[Term], logical: LogicalTerms) -> tuple[list[Term], list[Term], frozenset[str]]:
@@ -1311,6 +1376,7 @@ def expand(lhs: list[Term], rhs: list[Term], logical: LogicalTerms) -> tuple[lis
     views = logical.views_of_others(left | right)      # unfolded first: each atom one of its source's
     if left == right and not views:
         return lhs, rhs, frozenset()    # the common case: both sides read the same tensors
+    reach = _Reach(logical)
     budget = EXPAND_GROWTH * _size(lhs + rhs) + EXPAND_SLACK
     read = left | right
     tried = None        # the formula after EXPAND_TRIES unfoldings
@@ -1320,7 +1386,7 @@ def expand(lhs: list[Term], rhs: list[Term], logical: LogicalTerms) -> tuple[lis
         if round_:
             if _size(lhs + rhs) > budget:
                 break    # unfolding further would not close it: a real difference (a bug) or a gap
-            left, right = _logical_atoms(lhs, logical), _logical_atoms(rhs, logical)
+            left, right = reach.of(lhs), reach.of(rhs)
             views = logical.views_of_others(left | right)
         present = left | right
         differ = left ^ right or views or {t for t in present - read if logical.derives_from(t, present - {t})}
@@ -1333,16 +1399,12 @@ def expand(lhs: list[Term], rhs: list[Term], logical: LogicalTerms) -> tuple[lis
                        or logical.derives_from(t, differ - {t})] or list(differ)     # else: the other side inlines it
             tensors = {max(derived, key=lambda t: logical.order[t])}
         unfolded |= tensors
-        present_atoms: dict[str, list[Term]] = {t: [] for t in tensors}      # one pass for every tensor unfolded
-        for n in postorder(*lhs, *rhs):
-            if n.kind is Kind.VAR and (tensor := logical.tensor_of(n)) in present_atoms:
-                present_atoms[tensor].append(n)
         mapping: dict[Term, Term] = {}
-        for tensor, atoms_ in present_atoms.items():
+        for tensor, atoms_ in reach.atoms(lhs + rhs, tensors).items():
             mapping |= logical.unfolding(tensor, atoms_)
         memo: dict = {}
-        lhs = [substitute(t, mapping, memo) for t in lhs]
-        rhs = [substitute(t, mapping, memo) for t in rhs]
+        lhs = reach.substitute(lhs, mapping, tensors, memo)
+        rhs = reach.substitute(rhs, mapping, tensors, memo)
     # not closed: a real difference or a gap. The formula after the first tries is as good a witness as a larger
     # one, and solvers and random points do better on it (a wrong stage unfolded 500 deep hid from random points
     # behind exp overflows and sent SMT minutes of work)

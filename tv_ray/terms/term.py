@@ -405,8 +405,10 @@ def postorder(*roots: Term) -> list[Term]:
 R = TypeVar("R")
 
 
-def fold(root: Term, visit: Callable[[Term, list], R], memo: dict | None = None) -> R:
-    """Bottom-up evaluation: visit(node, [results of its args]) once per distinct node; `memo` may be shared."""
+def fold(root: Term, visit: Callable[[Term, list], R], memo: dict | None = None,
+         keep: Callable[[Term], bool] | None = None) -> R:
+    """Bottom-up evaluation: visit(node, [results of its args]) once per distinct node; `memo` may be shared. In a
+    fold from terms to terms, a node for which `keep` holds is its own result, and nothing under it is visited."""
     memo = {} if memo is None else memo
     stack: list[tuple[Term, bool]] = [(root, False)]
     while stack:                      # postorder that stops at nodes the shared memo already holds
@@ -415,6 +417,9 @@ def fold(root: Term, visit: Callable[[Term, list], R], memo: dict | None = None)
             continue
         if done:
             memo[node] = visit(node, [memo[a] for a in node.args])
+            continue
+        if keep is not None and keep(node):
+            memo[node] = node
             continue
         stack.append((node, True))
         stack.extend((a, False) for a in reversed(node.args) if a not in memo)
@@ -435,13 +440,15 @@ def rebuild(node: Term, args: list[Term]) -> Term:
     return app(node.payload, *args)
 
 
-def substitute(root: Term, mapping: dict[Term, Term], memo: dict | None = None) -> Term:
-    """`root` with every variable in `mapping` replaced by its image (one simultaneous pass)."""
+def substitute(root: Term, mapping: dict[Term, Term], memo: dict | None = None,
+               keep: Callable[[Term], bool] | None = None) -> Term:
+    """`root` with every variable in `mapping` replaced by its image (one simultaneous pass); a node for which
+    `keep` holds (one with no such variable under it) is left as it is, unvisited."""
     def visit(node: Term, args: list[Term]) -> Term:
         if node.kind is Kind.VAR:
             return mapping.get(node, node)
         return node if all(a is b for a, b in zip(args, node.args)) else rebuild(node, args)
-    return fold(root, visit, memo)
+    return fold(root, visit, memo, keep)
 
 
 def size(root: Term) -> int:
