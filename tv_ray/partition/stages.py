@@ -60,12 +60,12 @@ from tv_ray.partition.templates import Templates, contributed, leaf, part
 from tv_ray.plan import Plan
 from tv_ray.semantics.symbolic import as_dtype, eval_symbolic, group_rule
 from tv_ray.semantics.table import instantiate_shape
-from tv_ray.terms import Kind, Term, postorder, substitute, sum_
+from tv_ray.terms import Kind, Term, postorder, size, substitute, sum_
 from tv_ray.terms.linear import collect
 
 BAR_STEP = 4096              # ops stepped between progress bar updates
 REPLAY_DEPTH = 4             # ops a pipeline shard re-runs to rebuild a value another shard sends uncut
-EXPAND_ROUNDS = 512         # unfoldings of a stage's tensors, each a pass over its formula (a MoE block: ~130)
+EXPAND_ROUNDS = 512         # unfoldings of a stage's tensors (a stage spanning a MoE block: ~130)
 EXPAND_TRIES = 24           # ... kept only if they close the formula; else the formula after these
 EXPAND_GROWTH, EXPAND_SLACK = 3, 1000      # stop unfolding past 3x the formula's size + 1000 nodes
 # a stage formula larger than this is not formed (keying, unfolding and solving it would take minutes): its
@@ -1162,13 +1162,13 @@ class SymbolicRun(StandIns, Renamed, LayerRenamed, Scheduler):
             rhs = [defined[idx] for idx in np.ndindex(claim.shape)]
         else:
             rhs = [rhs[idx] for idx in np.ndindex(claim.shape)]
-        nodes = _size(lhs + rhs)
+        nodes = size(*lhs, *rhs)
         if nodes > min(COLLECT_NODES, MAX_STAGE_NODES):
             # like terms collected: a sum of every part of a partial claim (a dp all-reduce, then a tp
             # sum) is the claimed tensor, since its last part is the tensor minus the others
             memo = {}
             lhs, rhs = [collect(t, memo) for t in lhs], [collect(t, memo) for t in rhs]
-            nodes = _size(lhs + rhs)
+            nodes = size(*lhs, *rhs)
         if nodes > MAX_STAGE_NODES:
             why = (f"stage {cid} on {self.plan.describe(members[0])}: its formula has {nodes:,} nodes (more than "
                    f"{MAX_STAGE_NODES:,}): the ops since the last cut are too many to prove at once — no claim "
@@ -1322,7 +1322,7 @@ class _Reach:
         """The atoms of each of `tensors` in the terms, visiting only nodes above them."""
         out: dict[str, list[Term]] = {t: [] for t in tensors}
         seen: set[Term] = set()
-        stack = [t for t in terms]
+        stack = list(terms)
         while stack:
             node = stack.pop()
             if node in seen or self.under(node).isdisjoint(tensors):
@@ -1336,18 +1336,6 @@ class _Reach:
     def substitute(self, terms: list[Term], mapping: dict[Term, Term], tensors: set[str], memo: dict) -> list[Term]:
         """`substitute` of the atoms of `tensors`, leaving every node with none of them under it unvisited."""
         return [substitute(t, mapping, memo, keep=lambda node: self.under(node).isdisjoint(tensors)) for t in terms]
-
-
-def _size(terms: list[Term]) -> int:
-    """The number of distinct nodes under the terms (`postorder`'s length, counted without ordering them)."""
-    seen: set[Term] = set()
-    stack = list(terms)
-    while stack:
-        node = stack.pop()
-        if node not in seen:
-            seen.add(node)
-            stack.extend(node.args)
-    return len(seen)
 
 
 def expand(lhs: list[Term], rhs: list[Term], logical: LogicalTerms) -> tuple[list[Term], list[Term], frozenset[str]]:
@@ -1377,14 +1365,14 @@ def expand(lhs: list[Term], rhs: list[Term], logical: LogicalTerms) -> tuple[lis
     if left == right and not views:
         return lhs, rhs, frozenset()    # the common case: both sides read the same tensors
     reach = _Reach(logical)
-    budget = EXPAND_GROWTH * _size(lhs + rhs) + EXPAND_SLACK
+    budget = EXPAND_GROWTH * size(*lhs, *rhs) + EXPAND_SLACK
     read = left | right
     tried = None        # the formula after EXPAND_TRIES unfoldings
     for round_ in range(EXPAND_ROUNDS):
         if round_ == EXPAND_TRIES:
             tried = lhs, rhs, frozenset(unfolded)
         if round_:
-            if _size(lhs + rhs) > budget:
+            if size(*lhs, *rhs) > budget:
                 break    # unfolding further would not close it: a real difference (a bug) or a gap
             left, right = reach.of(lhs), reach.of(rhs)
             views = logical.views_of_others(left | right)

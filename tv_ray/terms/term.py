@@ -451,9 +451,16 @@ def substitute(root: Term, mapping: dict[Term, Term], memo: dict | None = None,
     return fold(root, visit, memo, keep)
 
 
-def size(root: Term) -> int:
-    """Number of distinct nodes in the DAG."""
-    return len(postorder(root))
+def size(*roots: Term) -> int:
+    """Number of distinct nodes in the DAG under `roots` (`postorder`'s length, counted without ordering them)."""
+    seen: set[Term] = set()
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.args)
+    return len(seen)
 
 
 def depth(root: Term) -> int:
