@@ -25,7 +25,7 @@ from pathlib import Path
 from tv_ray.errors import TvRayError
 from tv_ray.processes import ends_unfreed, held_to_exit
 from tv_ray.models import cmd_models
-from tv_ray.commands import add_model_flags, add_parsers
+from tv_ray.commands import INTERRUPTED, add_model_flags, add_parsers
 from tv_ray.simulate import add_run_parser, parse_dims
 
 
@@ -104,7 +104,11 @@ def cmd_trace(args: argparse.Namespace) -> int:
         return 2
     from tv_ray.frontend.traced import trace
     start = time.perf_counter()
-    plan = _written("trace", output, lambda: trace(args.script, args.world_size), one_line=False)   # a traceback
+    try:
+        plan = _written("trace", output, lambda: trace(args.script, args.world_size), one_line=False)  # a traceback
+    except KeyboardInterrupt:       # the ranks have ended with their launcher (`trace`)
+        print("tv-ray trace: interrupted", file=sys.stderr)
+        return INTERRUPTED
     if plan is None:
         return 2
     loss = next(e for e in plan.lineage if e.tensor == "loss")     # as found by value: each rank's mean, summed

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -297,6 +299,38 @@ def test_a_failing_rank_reports_its_traceback(tmp_path):
     done = subprocess.run([sys.executable, "-m", "tv_ray.cli", "trace", str(script), "-o", str(tmp_path / "p.json")],
                           capture_output=True, text=True)
     assert done.returncode == 2 and "rank 1 of 2 failed" in done.stderr and not (tmp_path / "p.json").exists()
+
+
+def test_an_interrupted_trace_ends_with_130_and_leaves_no_rank_behind(tmp_path):
+    """Rank 1 sleeps before its first collective, rank 0 waits in it; Ctrl-C ends the command and both ranks, forked
+    from a launcher (whose command line names the script)."""
+    script, started = tmp_path / "sleeps.py", tmp_path / "started"
+    script.write_text((SCRIPTS / "manual_tp.py").read_text().replace(
+        "def batch():", f"def batch():\n    import time, torch.distributed as dist\n    if dist.get_rank() == 1:\n"
+                        f"        open({str(started)!r}, 'w').close()\n        time.sleep(600)\n"))
+    run = subprocess.Popen([sys.executable, "-m", "tv_ray.cli", "trace", str(script), "-o", str(tmp_path / "p.json")],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert started.exists(), "rank 1 never reached batch()"
+    run.send_signal(signal.SIGINT)
+    _, err = run.communicate(timeout=60)
+    assert run.returncode == 130 and err.endswith("tv-ray trace: interrupted\n"), err
+
+    def naming_the_script() -> list[int]:
+        pids = []
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                if str(script) in cmdline.read_bytes().decode(errors="replace"):
+                    pids.append(int(cmdline.parent.name))
+            except OSError:       # ended meanwhile
+                pass
+        return pids
+    deadline = time.monotonic() + 20
+    while naming_the_script() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert naming_the_script() == []
 
 
 def test_a_script_without_its_contract_is_refused(tmp_path):

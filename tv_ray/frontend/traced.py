@@ -17,7 +17,8 @@ script does, as functions tv_ray calls on each rank:
     CLIP = 1.0                           # optional: clip_grad_norm_'s max norm (the default step clips so)
     HIGHS = {"tokens": 128}              # integer batch tensors: values lie in [0, high)
 
-Each rank runs as a gloo process on CPU (`world_size` = the mesh's size):
+Each rank runs as a gloo process on CPU (`world_size` = the mesh's size,
+forked from one process that has imported torch and the script):
 it builds the mesh (`init_device_mesh`), the model, its parallelization and
 optimizer, runs one warm step (optimizer state and DTensor's caches made;
 two under torch's DistributedDataParallel, which rebuilds its gradient
@@ -67,12 +68,14 @@ import inspect
 import itertools
 import json
 import math
+import multiprocessing
+import multiprocessing.connection
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import time
 import traceback
 from contextlib import contextmanager
 from pathlib import Path
@@ -128,30 +131,49 @@ def trace(script: str | Path, world_size: int | None = None) -> Plan:
 
 # -- the ranks ---------------------------------------------------------------------------------
 def _run_ranks(script: str, world_size: int, out: str) -> None:
-    """Run every rank as a process of its own (`python -m tv_ray.frontend.traced`); the first rank that fails
-    stops the others and raises `TraceFailed` with its traceback."""
-    port = _free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "tv_ray.frontend.traced", str(rank), str(world_size), script,
-                               str(port), out], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-             for rank in range(world_size)]
+    """Run every rank as a process forked from one launcher (`python -m tv_ray.frontend.traced`, `_launch`), which
+    imports torch, tv_ray and the script once for all of them; the first rank that fails stops the others and
+    raises `TraceFailed` with its traceback. The launcher leads a process group of its own, so the ranks end with
+    it however the trace ends (a failure, ^C)."""
+    launcher = subprocess.Popen([sys.executable, "-m", "tv_ray.frontend.traced", str(world_size), script,
+                                 str(_free_port()), out], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
     try:
-        while any(p.poll() is None for p in procs):
-            failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
-            if failed:
-                break
-            time.sleep(0.05)
-        failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+        _, stderr = launcher.communicate()
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-    if failed:       # the rank that failed first: the others often fail after it, at a collective it left
-        errors = {r: Path(out, f"rank{r}.error") for r in range(world_size) if Path(out, f"rank{r}.error").exists()}
-        rank = min(errors, key=lambda r: errors[r].stat().st_mtime_ns) if errors else failed[0]
-        error = Path(out, f"rank{rank}.error")
-        why = error.read_text() if error.exists() else procs[rank].stderr.read()
-        raise TraceFailed(f"rank {rank} of {world_size} failed:\n{why.rstrip()}")
+        try:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        except ProcessLookupError:      # the launcher and every rank have ended
+            pass
+        launcher.wait()
+    if launcher.returncode == 0:
+        return
+    errors = {r: Path(out, f"rank{r}.error") for r in range(world_size) if Path(out, f"rank{r}.error").exists()}
+    if not errors:
+        raise TraceFailed(f"the launcher of {world_size} ranks failed:\n{stderr.rstrip()}")
+    rank = min(errors, key=lambda r: errors[r].stat().st_mtime_ns)    # the others often fail after it, at a
+    raise TraceFailed(f"rank {rank} of {world_size} failed:\n{errors[rank].read_text().rstrip()}")  # collective it left
+
+
+def _launch(world_size: int, script: str, port: int, out: str) -> int:
+    """Fork the ranks from this process, once it has loaded the script; 1 as soon as one of them fails (the others
+    killed), 0 when all have written their records."""
+    loaded = load_script(script)
+    fork = multiprocessing.get_context("fork")
+    ranks = [fork.Process(target=_rank_main, args=(rank, world_size, loaded, port, out), name=f"rank{rank}")
+             for rank in range(world_size)]
+    for rank in ranks:
+        rank.start()
+    running = {rank.sentinel: rank for rank in ranks}
+    while running:
+        for sentinel in multiprocessing.connection.wait(list(running)):
+            rank = running.pop(sentinel)
+            rank.join()
+            if rank.exitcode != 0:
+                for other in running.values():
+                    other.kill()
+                return 1
+    return 0
 
 
 def _free_port() -> int:
@@ -160,14 +182,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world_size: int, script: str, port: int, out: str) -> int:
+def _rank_main(rank: int, world_size: int, script: ModuleType, port: int, out: str) -> None:
     try:
-        record = _record_rank(rank, world_size, load_script(script), port)
+        record = _record_rank(rank, world_size, script, port)
     except BaseException:   # noqa: BLE001 — reported by the parent, with the traceback
         Path(out, f"rank{rank}.error").write_text(traceback.format_exc())
-        return 1
+        raise SystemExit(1)
     Path(out, f"rank{rank}.json").write_text(json.dumps(record))
-    return 0
 
 
 def _record_rank(rank: int, world_size: int, script: ModuleType, port: int) -> dict:
@@ -576,5 +597,5 @@ def _without_prefix(graph: Graph, prefix: str) -> Graph:
                  tuple((rename(name), rename(value)) for name, value in graph.outputs), graph.name)
 
 
-if __name__ == "__main__":          # one rank: RANK WORLD_SIZE SCRIPT PORT OUT (`_run_ranks`)
-    sys.exit(_rank_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5]))
+if __name__ == "__main__":          # the launcher: WORLD_SIZE SCRIPT PORT OUT (`_run_ranks`)
+    sys.exit(_launch(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]))
