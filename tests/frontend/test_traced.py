@@ -301,9 +301,21 @@ def test_a_failing_rank_reports_its_traceback(tmp_path):
     assert done.returncode == 2 and "rank 1 of 2 failed" in done.stderr and not (tmp_path / "p.json").exists()
 
 
+def test_a_script_that_fails_to_load_in_the_launcher_reports_its_traceback(tmp_path):
+    script = tmp_path / "fails_to_load.py"
+    script.write_text((SCRIPTS / "manual_tp.py").read_text() + "\nimport multiprocessing\n"
+                      "if multiprocessing.parent_process() is not None:\n"
+                      "    raise RuntimeError('loaded in a child process')\n")
+    with pytest.raises(TraceFailed) as err:
+        trace(script)
+    assert str(err.value).startswith("the launcher of 2 ranks failed:\nTraceback (most recent call last):")
+    assert str(err.value).endswith("RuntimeError: loaded in a child process")
+
+
 def test_an_interrupted_trace_ends_with_130_and_leaves_no_rank_behind(tmp_path):
-    """Rank 1 sleeps before its first collective, rank 0 waits in it; Ctrl-C ends the command and both ranks, forked
-    from a launcher (whose command line names the script)."""
+    """Rank 1 sleeps before its first collective, rank 0 waits in it; Ctrl-C ends the command, its launcher and
+    both ranks."""
+    from tv_ray.commands import _descendants
     script, started = tmp_path / "sleeps.py", tmp_path / "started"
     script.write_text((SCRIPTS / "manual_tp.py").read_text().replace(
         "def batch():", f"def batch():\n    import time, torch.distributed as dist\n    if dist.get_rank() == 1:\n"
@@ -314,23 +326,25 @@ def test_an_interrupted_trace_ends_with_130_and_leaves_no_rank_behind(tmp_path):
     while not started.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert started.exists(), "rank 1 never reached batch()"
+    below = _descendants(run.pid)       # the fork server, the launcher, the two ranks
+    assert len(below) >= 4, below
     run.send_signal(signal.SIGINT)
     _, err = run.communicate(timeout=60)
     assert run.returncode == 130 and err.endswith("tv-ray trace: interrupted\n"), err
 
-    def naming_the_script() -> list[int]:
+    def alive() -> list[int]:
         pids = []
-        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        for pid in below:
             try:
-                if str(script) in cmdline.read_bytes().decode(errors="replace"):
-                    pids.append(int(cmdline.parent.name))
-            except OSError:       # ended meanwhile
+                if Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z":
+                    pids.append(pid)
+            except OSError:       # ended and reaped
                 pass
         return pids
     deadline = time.monotonic() + 20
-    while naming_the_script() and time.monotonic() < deadline:
+    while alive() and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert naming_the_script() == []
+    assert alive() == []
 
 
 def test_a_script_without_its_contract_is_refused(tmp_path):

@@ -70,10 +70,10 @@ import json
 import math
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.forkserver
 import os
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import traceback
@@ -131,34 +131,42 @@ def trace(script: str | Path, world_size: int | None = None) -> Plan:
 
 # -- the ranks ---------------------------------------------------------------------------------
 def _run_ranks(script: str, world_size: int, out: str) -> None:
-    """Run every rank as a process forked from one launcher (`python -m tv_ray.frontend.traced`, `_launch`), which
-    imports torch, tv_ray and the script once for all of them; the first rank that fails stops the others and
-    raises `TraceFailed` with its traceback. The launcher leads a process group of its own, so the ranks end with
-    it however the trace ends (a failure, ^C)."""
-    launcher = subprocess.Popen([sys.executable, "-m", "tv_ray.frontend.traced", str(world_size), script,
-                                 str(_free_port()), out], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
+    """Run every rank as a process forked from one launcher (`_launch`), itself forked from this process's fork
+    server, which has imported torch and tv_ray once for every trace; the first rank that fails stops the others
+    and raises `TraceFailed` with its traceback. The launcher leads a process group of its own, so the ranks end
+    with it however the trace ends (a failure, ^C)."""
+    launcher = _LAUNCHERS.Process(target=_launch, args=(world_size, script, _free_port(), out),
+                                  name=f"tv-ray trace {script}")
+    launcher.start()
     try:
-        _, stderr = launcher.communicate()
+        launcher.join()
     finally:
+        launcher.kill()
         try:
             os.killpg(launcher.pid, signal.SIGKILL)
-        except ProcessLookupError:      # the launcher and every rank have ended
+        except ProcessLookupError:      # every rank has ended (or none had begun)
             pass
-        launcher.wait()
-    if launcher.returncode == 0:
+        launcher.join()
+    if launcher.exitcode == 0:
         return
     errors = {r: Path(out, f"rank{r}.error") for r in range(world_size) if Path(out, f"rank{r}.error").exists()}
     if not errors:
-        raise TraceFailed(f"the launcher of {world_size} ranks failed:\n{stderr.rstrip()}")
+        why = Path(out, "launcher.error")
+        raise TraceFailed(f"the launcher of {world_size} ranks failed:\n"
+                          f"{why.read_text().rstrip() if why.exists() else f'exit code {launcher.exitcode}'}")
     rank = min(errors, key=lambda r: errors[r].stat().st_mtime_ns)    # the others often fail after it, at a
     raise TraceFailed(f"rank {rank} of {world_size} failed:\n{errors[rank].read_text().rstrip()}")  # collective it left
 
 
-def _launch(world_size: int, script: str, port: int, out: str) -> int:
-    """Fork the ranks from this process, once it has loaded the script; 1 as soon as one of them fails (the others
+def _launch(world_size: int, script: str, port: int, out: str) -> None:
+    """Load the script, then fork the ranks from this process; exit 1 as soon as one of them fails (the others
     killed), 0 when all have written their records."""
-    loaded = load_script(script)
+    os.setsid()
+    try:
+        loaded = load_script(script)
+    except BaseException:   # noqa: BLE001 — reported by the parent, with the traceback
+        Path(out, "launcher.error").write_text(traceback.format_exc())
+        raise SystemExit(1)
     fork = multiprocessing.get_context("fork")
     ranks = [fork.Process(target=_rank_main, args=(rank, world_size, loaded, port, out), name=f"rank{rank}")
              for rank in range(world_size)]
@@ -172,8 +180,12 @@ def _launch(world_size: int, script: str, port: int, out: str) -> int:
             if rank.exitcode != 0:
                 for other in running.values():
                     other.kill()
-                return 1
-    return 0
+                raise SystemExit(1)
+
+
+# a trace's launcher is forked from this server: it has imported torch and tv_ray once, for every trace of the process
+_LAUNCHERS = multiprocessing.get_context("forkserver")
+multiprocessing.forkserver.set_forkserver_preload([__name__])
 
 
 def _free_port() -> int:
@@ -597,5 +609,3 @@ def _without_prefix(graph: Graph, prefix: str) -> Graph:
                  tuple((rename(name), rename(value)) for name, value in graph.outputs), graph.name)
 
 
-if __name__ == "__main__":          # the launcher: WORLD_SIZE SCRIPT PORT OUT (`_run_ranks`)
-    sys.exit(_launch(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]))
