@@ -166,6 +166,17 @@ def test_impossible_configs_are_refused(llama_sgd, spec, flags, message):
     assert str(err.value) == message
 
 
+def test_a_gradient_whose_dp_cut_does_not_divide_is_refused_where_it_is_reduce_scattered():
+    """ZeRO-2 at dp=3 × tp=3: each ffn gradient is cut 9 ways, which 96 columns do not allow (a plan that did not
+    validate, naming an op, before)."""
+    dims = {"heads": 3, "ffn": 96, "vocab": 96, "batch": 6, "seq": 12}
+    graph = tv_ray.capture_step("gpt2-tiny", dims=dims)
+    with pytest.raises(ParallelConfigError) as err:
+        tv_ray.parallelize(graph, "dp=3,tp=3", model="gpt2-tiny", dims=dims, zero=2)
+    assert str(err.value) == "reduce-scattering view_38 dim 0 over dp: 9 does not divide ffn = 96"
+    assert tv_ray.parallelize(graph, "dp=3,tp=3", model="gpt2-tiny", dims={**dims, "ffn": 144, "vocab": 144}, zero=2)
+
+
 def test_tv_ray_run_exits_1_naming_the_deviating_outputs(llama_sgd, tmp_path, capsys):
     from tv_ray.cli import main
     obj = tv_ray.parallelize(llama_sgd, "dp=2,tp=2", model="llama3-tiny", zero=2).to_json()

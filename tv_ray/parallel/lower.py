@@ -182,6 +182,8 @@ class Lowering:
             for a in scatter:
                 d = self._scatter_dim(cur.layout, dst, a)
                 first = cur.layout.dims[d][0]
+                check_divides(first.size, axis_product(first.axes + (a,), self.sizes), self.dims,
+                              f"reduce-scattering {v.names[0]} dim {d} over {a}")
                 dims = list(cur.layout.dims)
                 dims[d] = (Factor(first.size, first.axes + (a,)),) + dims[d][1:]
                 lay = Layout(tuple(dims), cur.layout.partial).with_partial(
