@@ -312,6 +312,16 @@ def test_a_script_that_fails_to_load_in_the_launcher_reports_its_traceback(tmp_p
     assert str(err.value).endswith("RuntimeError: loaded in a child process")
 
 
+def test_a_rank_killed_without_a_traceback_is_named_with_its_exit_code(tmp_path):
+    script = tmp_path / "killed.py"
+    script.write_text((SCRIPTS / "manual_tp.py").read_text().replace(
+        "def batch():", "def batch():\n    import os, signal, torch.distributed as dist\n"
+                        "    if dist.get_rank() == 1:\n        os.kill(os.getpid(), signal.SIGKILL)\n"))
+    with pytest.raises(TraceFailed) as err:
+        trace(script)
+    assert str(err.value) == "the launcher of 2 ranks failed:\nrank 1 ended with exit code -9 and left no traceback"
+
+
 def test_an_interrupted_trace_ends_with_130_and_leaves_no_rank_behind(tmp_path):
     """Rank 1 sleeps before its first collective, rank 0 waits in it; Ctrl-C ends the command, its launcher and
     both ranks."""

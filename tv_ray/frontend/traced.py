@@ -180,6 +180,10 @@ def _launch(world_size: int, script: str, port: int, out: str) -> None:
             if rank.exitcode != 0:
                 for other in running.values():
                     other.kill()
+                number = ranks.index(rank)
+                if not Path(out, f"rank{number}.error").exists():     # killed (a signal) or ended by C++ code
+                    Path(out, "launcher.error").write_text(f"rank {number} ended with exit code {rank.exitcode} "
+                                                           f"and left no traceback")
                 raise SystemExit(1)
 
 
