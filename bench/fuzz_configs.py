@@ -95,19 +95,26 @@ def main() -> int:
             return
         seen.add(key)
         rows.append(run(c))
+        write()
         r = rows[-1]
         print(f"{r['model']:<12} {r['parallel']:<24} sp={r['sp']!s:<5} zero={r['zero']} {r['optim']:<5} "
               f"clip={r['clip']!s:<4} {r['status']:<8} {r.get('seconds', '')} {r.get('message', '')}", flush=True)
 
     start = time.perf_counter()
+
+    def write() -> list[dict]:
+        """The rows so far and their summary to `--out` (after every example: a run stopped early keeps them)."""
+        false_alarms = [r for r in rows if r["status"] not in ("proved", "refused")]
+        summary = {"examples": len(rows), "proved": sum(r["status"] == "proved" for r in rows),
+                   "refused": sum(r["status"] == "refused" for r in rows), "false_alarms": len(false_alarms),
+                   "seed": args.seed, "seconds": round(time.perf_counter() - start, 1)}
+        with open(args.out, "w") as f:
+            json.dump({"summary": summary, "rows": rows}, f, indent=1)
+        return false_alarms
+
     draw()
-    false_alarms = [r for r in rows if r["status"] not in ("proved", "refused")]
-    summary = {"examples": len(rows), "proved": sum(r["status"] == "proved" for r in rows),
-               "refused": sum(r["status"] == "refused" for r in rows), "false_alarms": len(false_alarms),
-               "seed": args.seed, "seconds": round(time.perf_counter() - start, 1)}
-    with open(args.out, "w") as f:
-        json.dump({"summary": summary, "rows": rows}, f, indent=1)
-    print(json.dumps(summary))
+    false_alarms = write()
+    print(json.dumps(json.load(open(args.out))["summary"]))
     return 1 if false_alarms else 0
 
 
