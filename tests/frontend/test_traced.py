@@ -36,6 +36,15 @@ def with_bug(tmp_path, script: str, bug: str) -> Path:
     return path
 
 
+def manual_tp_where_rank_1(tmp_path, name: str, does: str) -> Path:
+    """manual_tp.py with rank 1 doing `does` (a line) as its batch() begins, before any collective."""
+    script = tmp_path / f"{name}.py"
+    script.write_text((SCRIPTS / "manual_tp.py").read_text().replace(
+        "def batch():", f"def batch():\n    import os, signal, time, torch.distributed as dist\n"
+                        f"    if dist.get_rank() == 1:\n        {does}\n"))
+    return script
+
+
 def verified(plan):
     return tv_ray.verify(plan, engine="local", progress=False)
 
@@ -288,10 +297,7 @@ def test_an_output_reduced_twice_is_refuted_at_the_line_that_computes_the_loss(t
 
 
 def test_a_failing_rank_reports_its_traceback(tmp_path):
-    script = tmp_path / "fails.py"
-    script.write_text((SCRIPTS / "manual_tp.py").read_text().replace(
-        "def batch():", "def batch():\n    import torch.distributed as dist\n"
-                        "    if dist.get_rank() == 1:\n        raise ValueError('no data on this rank')\n"))
+    script = manual_tp_where_rank_1(tmp_path, "fails", "raise ValueError('no data on this rank')")
     with pytest.raises(TraceFailed) as err:
         trace(script)
     assert str(err.value).startswith("rank 1 of 2 failed:\nTraceback (most recent call last):")
@@ -313,10 +319,7 @@ def test_a_script_that_fails_to_load_in_the_launcher_reports_its_traceback(tmp_p
 
 
 def test_a_rank_killed_without_a_traceback_is_named_with_its_exit_code(tmp_path):
-    script = tmp_path / "killed.py"
-    script.write_text((SCRIPTS / "manual_tp.py").read_text().replace(
-        "def batch():", "def batch():\n    import os, signal, torch.distributed as dist\n"
-                        "    if dist.get_rank() == 1:\n        os.kill(os.getpid(), signal.SIGKILL)\n"))
+    script = manual_tp_where_rank_1(tmp_path, "killed", "os.kill(os.getpid(), signal.SIGKILL)")
     with pytest.raises(TraceFailed) as err:
         trace(script)
     assert str(err.value) == "the launcher of 2 ranks failed:\nrank 1 ended with exit code -9 and left no traceback"
@@ -326,10 +329,8 @@ def test_an_interrupted_trace_ends_with_130_and_leaves_no_rank_behind(tmp_path):
     """Rank 1 sleeps before its first collective, rank 0 waits in it; Ctrl-C ends the command, its launcher and
     both ranks."""
     from tv_ray.commands import _descendants
-    script, started = tmp_path / "sleeps.py", tmp_path / "started"
-    script.write_text((SCRIPTS / "manual_tp.py").read_text().replace(
-        "def batch():", f"def batch():\n    import time, torch.distributed as dist\n    if dist.get_rank() == 1:\n"
-                        f"        open({str(started)!r}, 'w').close()\n        time.sleep(600)\n"))
+    started = tmp_path / "started"
+    script = manual_tp_where_rank_1(tmp_path, "sleeps", f"open({str(started)!r}, 'w').close(); time.sleep(600)")
     run = subprocess.Popen([sys.executable, "-m", "tv_ray.cli", "trace", str(script), "-o", str(tmp_path / "p.json")],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
