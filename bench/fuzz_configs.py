@@ -84,6 +84,17 @@ def main() -> int:
     args = parser.parse_args()
     rows: list[dict] = []
     seen: set[str] = set()
+    start = time.perf_counter()
+
+    def write() -> dict:
+        """The rows so far and their summary to `--out` (after every example: a run stopped early keeps them)."""
+        summary = {"examples": len(rows), "proved": sum(r["status"] == "proved" for r in rows),
+                   "refused": sum(r["status"] == "refused" for r in rows),
+                   "false_alarms": sum(r["status"] not in ("proved", "refused") for r in rows),
+                   "seed": args.seed, "seconds": round(time.perf_counter() - start, 1)}
+        with open(args.out, "w") as f:
+            json.dump({"summary": summary, "rows": rows}, f, indent=1)
+        return summary
 
     @seed(args.seed)
     @settings(max_examples=args.examples, database=None, deadline=None, phases=[Phase.generate],
@@ -100,22 +111,10 @@ def main() -> int:
         print(f"{r['model']:<12} {r['parallel']:<24} sp={r['sp']!s:<5} zero={r['zero']} {r['optim']:<5} "
               f"clip={r['clip']!s:<4} {r['status']:<8} {r.get('seconds', '')} {r.get('message', '')}", flush=True)
 
-    start = time.perf_counter()
-
-    def write() -> list[dict]:
-        """The rows so far and their summary to `--out` (after every example: a run stopped early keeps them)."""
-        false_alarms = [r for r in rows if r["status"] not in ("proved", "refused")]
-        summary = {"examples": len(rows), "proved": sum(r["status"] == "proved" for r in rows),
-                   "refused": sum(r["status"] == "refused" for r in rows), "false_alarms": len(false_alarms),
-                   "seed": args.seed, "seconds": round(time.perf_counter() - start, 1)}
-        with open(args.out, "w") as f:
-            json.dump({"summary": summary, "rows": rows}, f, indent=1)
-        return false_alarms
-
     draw()
-    false_alarms = write()
-    print(json.dumps(json.load(open(args.out))["summary"]))
-    return 1 if false_alarms else 0
+    summary = write()
+    print(json.dumps(summary))
+    return 1 if summary["false_alarms"] else 0
 
 
 if __name__ == "__main__":
