@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.frontend.buggy import SCRIPTS, with_bug
 import tv_ray
 from tv_ray.errors import CaptureError, TraceFailed
 from tv_ray.frontend.traced import trace
 from tv_ray.plan import Fixed
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = Path(__file__).parent / "scripts"
 DTENSOR_MLP = ROOT / "docs" / "examples" / "dtensor_mlp.py"
 DTENSOR_LLAMA = ROOT / "docs" / "examples" / "dtensor_llama.py"
 
@@ -26,14 +26,6 @@ def manual_tp_line(text: str) -> str:
     """"file:line" of the first line of manual_tp.py holding `text`."""
     lines = (SCRIPTS / "manual_tp.py").read_text().splitlines()
     return f"{SCRIPTS / 'manual_tp.py'}:{next(i for i, line in enumerate(lines, 1) if text in line)}"
-
-
-def with_bug(tmp_path, script: str, bug: str) -> Path:
-    """The test script `script` with its BUG set: a script that imports it, sets BUG and takes its contract."""
-    path = tmp_path / f"{script}_{bug}.py"
-    path.write_text(f"import sys\nsys.path.insert(0, {str(SCRIPTS)!r})\nimport {script}\n"
-                    f"from {script} import *  # noqa\n{script}.BUG = {bug!r}\n")
-    return path
 
 
 def manual_tp_where_rank_1(tmp_path, name: str, does: str) -> Path:
@@ -381,6 +373,16 @@ def test_a_batch_chunk_is_found_only_where_it_is_unambiguous():
                               "(dim, chunk: [(0, 0), (0, 2)]); make batch() draw distinct rows")
     with pytest.raises(CaptureError, match="is no chunk of the global batch"):
         _found(torch.tensor([[9, 9]]), whole, "tokens")
+
+
+def test_a_script_calling_trace_at_its_top_level_traces_once(tmp_path):
+    """No ``if __name__ == "__main__"`` guard: multiprocessing would import the caller's script again in the fork
+    server and the launcher, and trace again there; it is kept out of their sight."""
+    caller = tmp_path / "caller.py"
+    caller.write_text(f"import tv_ray\nplan = tv_ray.trace({str(DTENSOR_MLP)!r})\nprint('traced', plan.num_ranks)\n")
+    done = subprocess.run([sys.executable, str(caller)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["traced", "2"]
 
 
 def test_tv_ray_trace_writes_a_plan_verify_proves(tmp_path):

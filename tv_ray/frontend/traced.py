@@ -137,7 +137,8 @@ def _run_ranks(script: str, world_size: int, out: str) -> None:
     with it however the trace ends (a failure, ^C)."""
     launcher = _LAUNCHERS.Process(target=_launch, args=(world_size, script, _free_port(), out),
                                   name=f"tv-ray trace {script}")
-    launcher.start()
+    with _main_hidden():
+        launcher.start()
     try:
         launcher.join()
     finally:
@@ -156,6 +157,19 @@ def _run_ranks(script: str, world_size: int, out: str) -> None:
                           f"{why.read_text().rstrip() if why.exists() else f'exit code {launcher.exitcode}'}")
     rank = min(errors, key=lambda r: errors[r].stat().st_mtime_ns)    # the others often fail after it, at a
     raise TraceFailed(f"rank {rank} of {world_size} failed:\n{errors[rank].read_text().rstrip()}")  # collective it left
+
+
+@contextmanager
+def _main_hidden():
+    """The caller's `__main__` out of sight while a launcher starts: multiprocessing would import it again in the
+    fork server and the launcher (which need nothing of it), and a script calling `trace` at its top level, with
+    no ``if __name__ == "__main__"`` guard, would trace again there."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
 
 
 def _launch(world_size: int, script: str, port: int, out: str) -> None:
