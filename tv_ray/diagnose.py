@@ -23,7 +23,7 @@ import numpy as np
 
 from tv_ray.certificate.outcome import Outcome, Status, replay_stage, replays
 from tv_ray.errors import GraphError
-from tv_ray.ir import Op
+from tv_ray.ir import Node, Op
 from tv_ray.partition.claims import ConcreteRun, group_value
 from tv_ray.partition.stages import Obligation
 
@@ -111,32 +111,36 @@ def _values(a: np.ndarray) -> list:
     return [float(f"{v:.6g}") for v in flat]
 
 
+def _inside(outcome: Outcome, ob: Obligation) -> list[Node]:
+    """The stage's ops on its first rank, in program order: its tensor's and every op between it and the stage's
+    inputs (the claimed values it reads)."""
+    rank = ob.ranks[0]
+    program = outcome.plan.programs[outcome.plan.program_of(rank)]
+    nodes = {n.name: n for n in program.nodes}
+    stack, seen = [ob.tensor], set()
+    while stack:
+        name = stack.pop()
+        if name in seen or name not in nodes:
+            continue
+        seen.add(name)
+        stack.extend(a for a in nodes[name].args if (rank, a) not in outcome.claims)
+    return [n for n in program.nodes if n.name in seen]
+
+
 def _suspect(outcome: Outcome, ob: Obligation) -> dict | None:
     """The earliest op inside the stage (unclaimed, between the stage's inputs and its tensor) that says which
     logical op it realises: where the value first left the logical one. (Ops computed from token data alone
     are exact and never claimed: they are not suspects.)"""
     rank = ob.ranks[0]
     program = outcome.plan.programs[outcome.plan.program_of(rank)]
-    nodes = {n.name: n for n in program.nodes}
-    order = {n.name: i for i, n in enumerate(program.nodes)}
-    stack, seen, inside = [ob.tensor], set(), []
-    while stack:
-        name = stack.pop()
-        if name in seen or name not in nodes:
-            continue
-        seen.add(name)
-        inside.append(name)
-        for a in nodes[name].args:
-            if (rank, a) not in outcome.claims:
-                stack.append(a)
     data_only: dict[str, bool] = {}
     for node in program.nodes:          # computed from token data (and constants) alone
         data_only[node.name] = all(data_only.get(a, program.dtype_of(a) != "float") for a in node.args)
-    realising = [nodes[n] for n in inside if n != ob.tensor and nodes[n].get_meta("realises")
-                 and not data_only[n]]
+    realising = [n for n in _inside(outcome, ob) if n.name != ob.tensor and n.get_meta("realises")
+                 and not data_only[n.name]]
     if not realising:
         return None
-    first = min(realising, key=lambda n: order[n.name])
+    first = realising[0]
     return {"rank": rank, "program": outcome.plan.program_of(rank), "op": first.name, "kind": str(first.op),
             "realises": first.get_meta("realises"), "module": first.get_meta("module", "") or "",
             "phase": first.get_meta("phase", "") or ""}
@@ -166,6 +170,24 @@ def _unreduced_input(outcome: Outcome, ob: Obligation) -> dict | None:
                 text = f"it reads {src.tensor} on ranks {ranks}, {read.claim.describe()}: both the reduction over " \
                        f"{what} and the division by {read.claim.scale} must come before {ob.tensor}"
             return {"stage": str(src), "tensor": src.tensor, "ranks": list(src.ranks), "axes": axes, "text": text}
+    return None
+
+
+def _extra_reduction(outcome: Outcome, ob: Obligation) -> dict | None:
+    """When the first refuted stage sums a claimed value over axes it is not a partial sum over (the stage's own
+    collective, or one inside it): that reduction is one too many, or over too wide a group — name it, its input
+    and the axes (the cause: the value summed was right)."""
+    rank = ob.ranks[0]
+    for node in _inside(outcome, ob):
+        if node.op not in (Op.ALL_REDUCE, Op.REDUCE_SCATTER) or node.attr["reduce"] != "sum":
+            continue
+        read = outcome.claims.get((rank, node.args[0]))
+        extra = [a for a in node.attr["axes"] if read is not None and a not in read.partial]
+        if extra:
+            what, over = "×".join(extra), "×".join(node.attr["axes"])
+            text = (f"{node.name} sums {node.args[0]} over {over} on rank {rank}, but it is "
+                    f"{read.describe()}, not a partial sum over {what}: the reduction over {what} is one too many")
+            return {"op": node.name, "tensor": node.args[0], "axes": extra, "text": text}
     return None
 
 
@@ -237,7 +259,10 @@ def diagnose(outcome: Outcome, reference: dict | None = None) -> dict:
     unreduced = _unreduced_input(outcome, ob)
     if unreduced:
         stage["unreduced_input"] = unreduced
-    why = stage.get("factor") or (unreduced or {}).get("text")
+    extra = _extra_reduction(outcome, ob)
+    if extra:
+        stage["extra_reduction"] = extra
+    why = " — ".join(filter(None, [stage.get("factor") or (unreduced or {}).get("text"), (extra or {}).get("text")]))
     report["headline"] = (f"first wrong tensor: {where}, logical op {ob.realises or ob.claim.logical}, "
                           f"rank{'s' if len(ob.ranks) > 1 else ''} {ranks}{mb}: {ob.program}.{ob.tensor} "
                           f"should equal {stage['logical']}" + (f" — {why}" if why else ""))
