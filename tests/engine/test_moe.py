@@ -66,3 +66,11 @@ def test_routing_without_the_correction_bias_is_refuted_at_the_choice(base):
     mutated = edit(program, "main", change={choice.name: _like(choice, choice.name, "topk_mask", [scores],
                                                                choice.attr)})
     refuted_at(with_program(base, "main", mutated), choice.name, "fwd", "layers.1.mlp.gate")
+
+
+def test_a_gradient_reduced_over_ep_alone_is_refuted_where_it_is(base):
+    """The final norm's gradient summed over ep only: a group of dp-mirrored ranks without their representative
+    (found by bench/fuzz_mutations.py, where the mirrors' stand-ins crashed on it; now they are stepped)."""
+    reduced = gradient_of(base, "norm.weight")
+    headline = refuted_at(reduced_over(base, reduced, ["ep"]), reduced.name, "bwd", "norm")
+    assert "partial sum over dp" in headline, headline

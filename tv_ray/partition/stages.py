@@ -592,6 +592,8 @@ class SymbolicRun(StandIns, Renamed, LayerRenamed, Scheduler):
         representative's renamed (or the very same value: a result holding parts of a group across dp is no
         renaming), else computed."""
         rep = self.mirrors.image[self.mirrors.block[rank]][rank]
+        if rep not in at:
+            raise Asymmetric(f"{self.plan.describe(rank)} meets a group without its representative")
         mine, theirs = results[at[rank]].reshape(-1), results[at[rep]].reshape(-1)
         shape = results[at[rank]].shape
         if rep not in slots:         # once per representative: does its result name parts, read samples?
