@@ -104,7 +104,8 @@ def test_a_plan_path_is_a_plan_whatever_its_name_and_a_bad_name_says_so(tiny_dp2
 def test_plan_and_verify_share_one_set_of_defaults_and_show_them():
     sub = next(a for a in build_parser()._actions if a.dest == "command").choices
     flags = {name: {o: a for a in sub[name]._actions for o in a.option_strings} for name in ("plan", "verify")}
-    for option in ("--model", "--parallel", "--sp", "--zero", "--tied", "--untied", "--optim", "--clip", "--dims"):
+    for option in ("--model", "--parallel", "--sp", "--zero", "--tied", "--untied", "--masked-targets", "--optim",
+                   "--clip", "--dims"):
         assert (flags["plan"][option].help, flags["plan"][option].default) == \
             (flags["verify"][option].help, flags["verify"][option].default), option
     assert (flags["verify"]["--optim"].default, flags["verify"]["--clip"].default) == ("sgd", None)
@@ -113,6 +114,21 @@ def test_plan_and_verify_share_one_set_of_defaults_and_show_them():
         assert "(default: sgd)" in text and "(default: no clipping)" in text and "(default: 0)" in text
     verify_help = " ".join(sub["verify"].format_help().split())
     assert "(default: z3,cvc5,yices)" in verify_help and "(default: 10.0)" in verify_help
+
+
+def test_masked_targets_are_in_the_plan_and_its_recipe_and_a_fresh_capture_matches(tmp_path):
+    """`--masked-targets`: the targets input may hold the loss's ignore_index, the recipe says so, and verify
+    compares the plan with a fresh capture made the same way."""
+    from tv_ray.plan import Plan
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "llama3-tiny", "--parallel", "dp=2", "--masked-targets", "-o", str(out)]) == 0
+    plan = Plan.load(out)
+    assert [(s.name, s.ignore) for s in plan.logical.inputs if s.dtype == "int"] == [("tokens", None),
+                                                                                   ("targets", -100)]
+    assert plan.recipe["masked"] is True
+    result = verify(str(out), engine="local", progress=False)
+    assert result.proved and "a fresh capture of llama3-tiny (sgd, no clipping, masked targets)" in \
+        result.report["headline"]
 
 
 def test_plan_output_onto_a_directory_or_under_a_file_is_a_message(tmp_path):

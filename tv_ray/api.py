@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
 from tv_ray.errors import CaptureError, ParallelConfigError, PlanError, SettingsError, TvRayError
-from tv_ray.frontend.capture import capture
+from tv_ray.frontend.capture import capture, masked_targets
 from tv_ray.frontend.optim import RECIPE, capture_step as _capture_step
 from tv_ray.ir.graph import Graph
 from tv_ray.models import ModelSpec, get, list_models
@@ -46,18 +46,21 @@ def _spec(model: str | ModelSpec, dims: Mapping[str, int] | None, tied: bool | N
 def capture_step(model, inputs=None, *, optim: str = RECIPE["optim"], clip: float | None = RECIPE["clip"],
                  tied: bool | None = None,
                  dims: Mapping[str, int] | None = None, int_highs: Mapping[str, int] | None = None,
-                 **hyper) -> Graph:
+                 masked: bool = False, **hyper) -> Graph:
     """The logical graph of one training step (forward, loss, backward, optimizer update).
 
     `model` is a built-in name (``tv-ray models``), a `ModelSpec`, or any
     ``torch.nn.Module`` whose ``forward(*inputs)`` returns the scalar loss; for
     a module, `int_highs` gives each integer input's range ``[0, high)``
-    (token ids: the vocabulary size), e.g. ``{"tokens": 50257, "targets": 50257}``.
+    (token ids: the vocabulary size), e.g. ``{"tokens": 50257, "targets": 50257}``. With `masked` the targets may
+    also be the loss's ignore_index (padding): the proofs cover ignored targets.
     """
     if isinstance(model, (str, ModelSpec)):
         model = _spec(model, dims, tied)
         tied = None
     graph = _capture_step(model, inputs, optim=optim, clip=clip, tied=tied, int_highs=int_highs, **hyper)
+    if masked:
+        graph = masked_targets(graph)
     for spec in graph.inputs:
         if spec.dtype == "int" and spec.high is None:
             raise CaptureError(f"integer input {spec.name!r} needs its range: pass "
@@ -101,7 +104,7 @@ def parallelize(graph: Graph, spec: str | ParallelSpec, *, model: str | ModelSpe
     if recipe is not None:
         plan = replace(plan, recipe={"optim": recipe.get("optim", RECIPE["optim"]),
                                      "clip": recipe.get("clip", RECIPE["clip"]), "tied": recipe.get("tied"),
-                                     "parallel": str(spec)})
+                                     "masked": bool(recipe.get("masked")), "parallel": str(spec)})
     return plan
 
 
@@ -141,7 +144,7 @@ def _capture_digest(model: str, recipe: Mapping, dims: Mapping[str, int]) -> str
     spec = get(model)
     dims = {d: dims[d] for d in spec.dim_names if d in dims}
     return logical_digest(capture_step(model, optim=recipe["optim"], clip=recipe["clip"], tied=recipe["tied"],
-                                       dims=dims))
+                                       dims=dims, masked=recipe.get("masked", False)))
 
 
 def _reference_or_failure(plan: Plan, captured: Graph | None = None) -> dict:
@@ -244,6 +247,7 @@ class Result:
 def verify(model_or_plan=None, parallel: str | None = None, *, optim: str = RECIPE["optim"],
            clip: float | None = RECIPE["clip"],
            sp: bool = False, zero: int = 0, dims: Mapping[str, int] | None = None, tied: bool | None = None,
+           masked: bool = False,
            solvers=("z3", "cvc5", "yices"), timeout: float = 10.0,
            jobs: int | None = None, progress: bool | None = None, seed: int = 0, executor=None,
            symmetry: bool = True, templates: bool = True, engine: str = "ray", address: str | None = None,
@@ -285,7 +289,8 @@ def verify(model_or_plan=None, parallel: str | None = None, *, optim: str = RECI
         budget = Budget(solvers=tuple(settings["solvers"]), timeout_s=settings["timeout_s"], seed=settings["seed"])
         if isinstance(model_or_plan, Plan) or _is_plan_file(model_or_plan):
             given = [name for name, on in (("parallel", parallel is not None), ("sp", sp), ("zero", zero != 0),
-                                           ("tied", tied is not None), ("dims", bool(dims))) if on]
+                                           ("tied", tied is not None), ("dims", bool(dims)), ("masked", masked))
+                     if on]
             if given:
                 raise ParallelConfigError(f"{', '.join(given)} build a plan from a model name; a plan is verified "
                                           "as it is")
@@ -299,9 +304,9 @@ def verify(model_or_plan=None, parallel: str | None = None, *, optim: str = RECI
                 raise ParallelConfigError("verify a model by name needs parallel=..., e.g. 'dp=2,tp=2'")
             _note(progress, f"capturing {model_or_plan}'s training step ({optim}, "
                             f"{f'clip {clip:g}' if clip else 'no clipping'}) …")
-            captured = capture_step(model_or_plan, optim=optim, clip=clip, tied=tied, dims=dims)
+            captured = capture_step(model_or_plan, optim=optim, clip=clip, tied=tied, dims=dims, masked=masked)
             plan = parallelize(captured, parallel, model=model_or_plan, dims=dims, sp=sp, zero=zero,
-                               recipe={"optim": optim, "clip": clip, "tied": tied})
+                               recipe={"optim": optim, "clip": clip, "tied": tied, "masked": masked})
     try:
         # a plan read from a file is validated beside the verification (its error, if any, is the verification's)
         with checked_beside(plan) if plan_path is not None and not resume else contextlib.nullcontext():

@@ -79,17 +79,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     def make():
         dims.update(parse_dims(args.dims))
-        graph = capture_step(args.model, optim=args.optim, clip=args.clip, tied=args.tied, dims=dims or None)
+        graph = capture_step(args.model, optim=args.optim, clip=args.clip, tied=args.tied, dims=dims or None,
+                             masked=args.masked)
         captured[0] = time.perf_counter()
         return parallelize(graph, args.parallel, model=args.model, dims=dims or None, sp=args.sp, zero=args.zero,
-                           recipe={"optim": args.optim, "clip": args.clip, "tied": args.tied}, check=False)
+                           recipe={"optim": args.optim, "clip": args.clip, "tied": args.tied,
+                                   "masked": args.masked}, check=False)
     plan = _written("plan", output, make)
     if plan is None:
         return 2
     done = time.perf_counter()
     print(json.dumps({"plan": args.output, "model": args.model, "parallel": args.parallel, "sp": args.sp,
                       "zero": args.zero, "optim": args.optim, "clip": args.clip, "tied": args.tied,
-                      "dims": dims, "ranks": plan.num_ranks,
+                      "masked": args.masked, "dims": dims, "ranks": plan.num_ranks,
                       "programs": {name: len(p.nodes) for name, p in plan.programs.items()},
                       "logical_ops": len(plan.logical.nodes),
                       "seconds": {"capture": round(captured[0] - start, 2),

@@ -114,6 +114,9 @@ def add_model_flags(parser: argparse.ArgumentParser, *, required: bool) -> None:
                       help="tie the embedding and the output head (default: as the model is defined)")
     tied.add_argument("--untied", dest="tied", action=_NotedConst, const=False,
                       help="separate embedding and output head")
+    parser.add_argument("--masked-targets", dest="masked", action=_NotedConst, const=True, default=False,
+                        help="targets may also be the loss's ignore_index (-100: padding), and the proofs cover "
+                             "them (default: targets are token ids)")
     parser.add_argument("--optim", choices=("sgd", "adamw"), default=optim, action=_Noted,
                         help="optimizer step (default: %(default)s)")
     parser.add_argument("--clip", type=float, default=clip, metavar="NORM", action=_Noted,
@@ -187,7 +190,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     try:
         with Interrupts() as interrupts:
             result = verify(args.plan or args.model, args.parallel, optim=args.optim, clip=args.clip, sp=args.sp,
-                            zero=args.zero, dims=parse_dims(args.dims) or None, tied=args.tied,
+                            zero=args.zero, dims=parse_dims(args.dims) or None, tied=args.tied, masked=args.masked,
                             solvers=args.solvers, timeout=args.timeout,
                             jobs=args.jobs, progress=False if args.quiet else None, seed=args.seed,
                             symmetry=not args.no_symmetry, templates=not args.no_templates, engine=args.engine,
@@ -333,7 +336,7 @@ def explain_certificate(m: dict, out: Path) -> str:
                      f"stage), optimizer {recipe['optim']}, "
                      + (f"clipping at global norm {recipe['clip']:g}" if recipe.get("clip") else "no clipping")
                      + ("" if recipe.get("tied") is None else ", tied embeddings" if recipe["tied"]
-                        else ", untied embeddings"))
+                        else ", untied embeddings") + (", masked targets" if recipe.get("masked") else ""))
     else:
         lines.append("  recipe: not recorded in the plan (what was proved is the plan as written)")
     lines.append(f"  reduced dims {json.dumps(m['reduction']['reduced'])}; axioms {m['axioms'] or 'none'}")

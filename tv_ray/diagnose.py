@@ -201,7 +201,8 @@ def describe_reference(ref: dict | None) -> str:
     if recipe is None or not ref.get("capture"):
         return own + (f", labelled {ref['model']!r}" if ref.get("model") else "")
     flags = f"{recipe['optim']}, " + (f"clip {recipe['clip']:g}" if recipe.get("clip") else "no clipping") + \
-        ("" if recipe.get("tied") is None else ", tied" if recipe["tied"] else ", untied")
+        ("" if recipe.get("tied") is None else ", tied" if recipe["tied"] else ", untied") + \
+        (", masked targets" if recipe.get("masked") else "")
     if ref["capture"] == "matches":
         return f"a fresh capture of {ref['model']} ({flags})"
     if ref["capture"] == "differs":

@@ -66,7 +66,7 @@ _FIELDS = ("format", "model", "dims", "mesh", "microbatches", "schedule", "logic
            "lineage", "interior", "recipe")
 _OPTIONAL = {"microbatches": 1, "schedule": "none", "interior": [], "recipe": None}
 _HEAD = ("format", "model", "dims", "mesh", "microbatches", "schedule", "recipe")     # written first (`Plan.header`)
-RECIPE_FIELDS = ("optim", "clip", "tied", "parallel")
+RECIPE_FIELDS = ("optim", "clip", "tied", "masked", "parallel")
 
 
 def _is_int(value: Any) -> bool:
@@ -594,9 +594,12 @@ def _parse_recipe(obj: Any) -> dict | None:
         raise PlanError(f"recipe.clip: expected a positive number or null, got {clip!r}")
     if obj.get("tied") not in (None, True, False):
         raise PlanError(f"recipe.tied: expected true, false or null, got {obj.get('tied')!r}")
+    if obj.get("masked", False) not in (True, False):
+        raise PlanError(f"recipe.masked: expected true or false, got {obj['masked']!r}")
     if not isinstance(obj.get("parallel", ""), str):
         raise PlanError(f"recipe.parallel: expected a parallel spec (text), got {obj['parallel']!r}")
-    return {"optim": obj["optim"], "clip": clip, "tied": obj.get("tied"), "parallel": obj.get("parallel", "")}
+    return {"optim": obj["optim"], "clip": clip, "tied": obj.get("tied"), "masked": obj.get("masked", False),
+            "parallel": obj.get("parallel", "")}
 
 
 def _positive_ints(obj: Any, path: str, what: str) -> dict[str, int]:

@@ -102,7 +102,10 @@ def _check_graph(plan: Plan, graph: Graph, path: str, sizes: _Sizes, logical: bo
     for i, spec in enumerate(graph.inputs):
         sizes.shape(spec.shape, f"{path}.inputs[{i}].shape")
         if spec.high is not None:
-            sizes(spec.high, f"{path}.inputs[{i}].high")
+            high = sizes(spec.high, f"{path}.inputs[{i}].high")
+            if spec.ignore is not None and 0 <= spec.ignore < high:
+                raise _error(f"{path}.inputs[{i}].ignore", f"ignore {spec.ignore} of {spec.name!r} lies in [0, high): "
+                                                           f"a value the loss ignores must be no valid one")
         elif logical and spec.dtype == "int":
             raise _error(f"{path}.inputs[{i}].high", f"int input {spec.name!r} needs `high` "
                                                      f"(its values lie in [0, high))")

@@ -81,7 +81,19 @@ def draw_inputs(logical: Graph, dims: dict[str, int], rng: np.random.Generator) 
     for spec in logical.inputs:
         shape = tuple(d.eval(dims) for d in spec.shape)
         values[spec.name] = _draw(spec, shape, dims, rng).astype(numpy_dtype(spec.dtype), copy=False)
+    for spec in logical.inputs:         # drawn last, so that no other input's values move
+        if spec.ignore is not None:
+            values[spec.name] = masked(values[spec.name], spec.ignore, rng)
     return values
+
+
+def masked(values: np.ndarray, ignore: int, rng: np.random.Generator) -> np.ndarray:
+    """`values` with elements set to `ignore` at random — targets the loss ignores (padding) —, row (sample) r of
+    R with a chance growing as 0.75·r/R, so that samples, and so microbatches, count different numbers of
+    tokens."""
+    rows = int(np.prod(values.shape[:-1])) if values.ndim > 1 else 1
+    chance = (np.arange(rows) * 0.75 / rows).reshape(values.shape[:-1] + (1,)) if values.ndim > 1 else 0.25
+    return np.where(rng.random(values.shape) < chance, ignore, values).astype(values.dtype)
 
 
 def _draw(spec: TensorSpec, shape: tuple[int, ...], dims: dict[str, int], rng: np.random.Generator) -> np.ndarray:

@@ -82,9 +82,11 @@ class Bug:
 
 
 @functools.lru_cache(maxsize=None)
-def correct(model: str, spec: str, optim: str = "sgd", clip: float | None = None, **flags) -> Plan:
-    """The correct plan the planner builds for `model` at `spec` (captures take seconds: built once)."""
-    return api.parallelize(api.capture_step(model, optim=optim, clip=clip), spec, model=model, **flags)
+def correct(model: str, spec: str, optim: str = "sgd", clip: float | None = None, masked: bool = False,
+            **flags) -> Plan:
+    """The correct plan the planner builds for `model` at `spec` (captures take seconds: built once); `masked`:
+    targets may be ignored (`capture_step(masked=True)`)."""
+    return api.parallelize(api.capture_step(model, optim=optim, clip=clip, masked=masked), spec, model=model, **flags)
 
 
 def _nodes(plan: Plan, where: Callable[[Node], bool], program: str = "main") -> list[Node]:
@@ -199,11 +201,12 @@ def _per_microbatch_counts(plan: Plan, times: float) -> Plan:
     return with_program(plan, "main", edit(graph, "main", change=change))
 
 
-def per_microbatch_normalisation() -> tuple[Plan, Plan]:
-    """B10's change — each microbatch's loss gradient divided by its own token count × mb — and the plan it changes:
-    the same function while no target is ignored (a plan's targets lie in [0, vocab))."""
-    plan = _mb()
-    return _per_microbatch_counts(plan, 2.0), plan
+def b10_loss_normalised_per_microbatch() -> Case:
+    """Each microbatch's loss gradient divided by its own token count (summed over dp) × mb: the global count only
+    where every microbatch counts as many tokens — targets the loss ignores (padding) make them differ, so the
+    plan's targets are masked (without, every microbatch counts as many and the change is no bug: proved)."""
+    twin = correct("llama3-tiny", "dp=2,mb=2", masked=True)
+    return Case(_per_microbatch_counts(twin, 2.0), twin, "bwd", "", "nll_loss_backward@0", ())
 
 
 def b11_accumulated_gradient_wiped() -> Case:
@@ -437,9 +440,8 @@ CORPUS: dict[str, Bug] = dict([
          _traced("fsdp_mlp", "divide_twice", "bwd", "", ("physical = 0.5 × logical", "grad/"))),
     _bug("B9", "mutation of llama3-tiny dp=2,tp=2 sp: the sp-reduced norm gradient multiplied by sp (Megatron sp; "
                "tv_ray has no Ulysses all-to-all)", b9_sp_gradient_scaled_by_sp),
-    _bug("B10", "", missing="masked targets: a plan's targets range over [0, vocab) (no ignore_index), so every "
-                            "microbatch has the same token count and per-microbatch normalisation is the same function "
-                            "(that mutation is proved, rightly, in tests/engine/test_bugs.py)"),
+    _bug("B10", "mutation of llama3-tiny dp=2,mb=2 with masked targets: each microbatch's loss gradient divided by "
+                "its own token count × mb", b10_loss_normalised_per_microbatch),
     _bug("B11", "mutation of llama3-tiny dp=2,tp=2,pp=2,mb=2: the first microbatch's accumulated gradient wiped",
          b11_accumulated_gradient_wiped),
     _bug("B12", "mutation of llama3-tiny dp=2,mb=2 ZeRO-2: the reduce-scatter reads the last microbatch only",

@@ -198,3 +198,20 @@ def test_intermediate_lineage_is_checked_like_boundary_lineage():
                             "float (4, 8)")
     obj["interior"] = {"h": "h"}
     assert refused(obj) == "interior: expected a list of lineage entries"
+
+
+def test_an_ignored_target_value_inside_the_range_or_on_a_float_input():
+    """Masked targets may hold the loss's ignore_index (-100) besides [0, vocab): `ignore`."""
+    from tv_ray import api
+    obj = api.parallelize(api.capture_step("llama3-tiny", masked=True), "dp=2", model="llama3-tiny").to_json()
+    inputs = obj["logical"]["inputs"]
+    i, targets = next((i, s) for i, s in enumerate(inputs) if s["name"] == "targets")
+    assert targets["ignore"] == -100 and all("ignore" not in s for s in inputs if s["name"] != "targets")
+    targets["ignore"] = 1
+    assert refused(obj) == (f"logical.inputs[{i}].ignore: ignore 1 of 'targets' lies in [0, high): a value the loss "
+                            f"ignores must be no valid one")
+    targets["ignore"] = -100
+    j = next(j for j, s in enumerate(inputs) if s["dtype"] == "float")
+    inputs[j]["ignore"] = -1
+    assert refused(obj) == (f"logical.inputs[{j}].ignore: expected an integer on an int input (the value a loss "
+                            f"ignores), got -1 on a float input")

@@ -27,7 +27,8 @@ from tv_ray.frontend.aten import Converter
 from tv_ray.frontend.fit import fit_graphs
 from tv_ray.frontend.layers import extrapolate as extrapolate_layers, probe_layers
 from tv_ray.frontend.trace import fake_inputs, trace_joint
-from tv_ray.ir import Graph
+from tv_ray.ir import Graph, Op
+from tv_ray.ir.ops import VIEWS
 from tv_ray.models.spec import ModelSpec
 from tv_ray.processes import in_processes
 
@@ -47,6 +48,26 @@ def capture_spec_at(spec: ModelSpec, dims: Mapping[str, int]) -> Graph:
     tokens, targets = spec.example_inputs(dims=dims)
     return capture_concrete(module, fake_inputs(mode, (tokens, targets)),
                             int_highs={"tokens": dims["vocab"], "targets": dims["vocab"]}, mode=mode)
+
+
+_TARGET_ARG = {Op.NLL_LOSS: 1, Op.NLL_LOSS_TOTAL_WEIGHT: 0, Op.NLL_LOSS_BACKWARD: 2}
+
+
+def masked_targets(graph: Graph) -> Graph:
+    """`graph` with each int input that a loss reads as its targets (through views) allowed the loss's
+    ignore_index too (`capture_step(..., masked=True)`): targets padded out of the loss are in the verified
+    domain, as in training with padding (a built-in model's cross entropy ignores -100, as torch's does)."""
+    made = {n.name: n for n in graph.nodes}
+    ignored: dict[str, int] = {}
+    for node in graph.nodes:
+        if node.op in _TARGET_ARG:
+            target = node.args[_TARGET_ARG[node.op]]
+            while target in made and made[target].op in VIEWS:
+                target = made[target].args[0]
+            ignored[target] = node.attr["ignore_index"]
+    inputs = tuple(dataclasses.replace(s, ignore=ignored[s.name]) if s.name in ignored and s.dtype == "int" else s
+                   for s in graph.inputs)
+    return Graph(inputs, graph.nodes, graph.outputs, graph.name)
 
 
 _PROBES: dict[tuple, Graph] = {}      # (module factory, config, dims table) -> its capture, for the process

@@ -217,11 +217,11 @@ def fit_graphs(graphs: Sequence[Graph], tables: Sequence[Dims], at: Dims) -> Gra
     inputs = []
     for specs in zip(*(g.inputs for g in graphs)):
         s0 = specs[0]
-        if len({(s.name, s.dtype, s.role) for s in specs}) != 1:
+        if len({(s.name, s.dtype, s.role, s.ignore) for s in specs}) != 1:
             raise _differs(-1, "inputs", specs, tables)
         high = None if s0.high is None else fitter.fit_int([s.high.const_value() for s in specs], f"input {s0.name} high")
         inputs.append(TensorSpec(s0.name, tuple(_fit_shape(fitter, [s.shape for s in specs], -1, f"input {s0.name}")),
-                                 s0.dtype, s0.role, high, s0.positive))
+                                 s0.dtype, s0.role, high, s0.positive, s0.ignore))
     nodes = []
     for i, group in enumerate(zip(*(g.nodes for g in graphs))):
         n0 = group[0]
@@ -247,7 +247,7 @@ def instantiate(graph: Graph, dims: Dims) -> Graph:
         return Expr.const(e.eval(dims))
 
     inputs = tuple(TensorSpec(s.name, tuple(map(const, s.shape)), s.dtype, s.role,
-                              None if s.high is None else const(s.high), s.positive) for s in graph.inputs)
+                              None if s.high is None else const(s.high), s.positive, s.ignore) for s in graph.inputs)
     nodes = []
     for node in graph.nodes:
         schema = ATTRS.get(node.op, {})

@@ -246,7 +246,8 @@ class LayerPattern:
         out: list[TensorSpec] = []
         for spec in self.three.inputs:
             if spec.name == self.new_inputs[0]:
-                out += [TensorSpec(self.namer.at(s.name, j), s.shape, s.dtype, s.role, s.high, s.positive)
+                out += [TensorSpec(self.namer.at(s.name, j), s.shape, s.dtype, s.role, s.high, s.positive,
+                                   s.ignore)
                         for j in range(self.namer.new, newest + 1) for s in self.three.inputs
                         if s.name in self.new_inputs]
             elif spec.name not in self.new_inputs:

@@ -204,6 +204,7 @@ class TensorSpec:
     role: str = "activation"
     high: Expr | None = None      # int tensors: values lie in [0, high) (token ids < vocab)
     positive: bool = False        # float tensors: values are > 0 (AdamW's exp_avg_sq, the step)
+    ignore: int | None = None     # int tensors: a value they may hold besides: the loss's ignore_index (a masked target)
 
     def to_json(self) -> dict:
         out = {"name": self.name, "shape": [d.to_json() for d in self.shape],
@@ -212,13 +213,15 @@ class TensorSpec:
             out["high"] = self.high.to_json()
         if self.positive:
             out["positive"] = True
+        if self.ignore is not None:
+            out["ignore"] = self.ignore
         return out
 
     @staticmethod
     def from_json(obj: Any, path: str, cls=GraphError) -> "TensorSpec":
         if not isinstance(obj, dict):
             raise _error(cls, path, f"expected an object with name, shape, dtype, role; got {obj!r}")
-        unknown = set(obj) - {"name", "shape", "dtype", "role", "high", "positive"}
+        unknown = set(obj) - {"name", "shape", "dtype", "role", "high", "positive", "ignore"}
         if unknown:
             raise _error(cls, path, f"unknown field {sorted(unknown)[0]!r}")
         name = obj.get("name")
@@ -237,7 +240,11 @@ class TensorSpec:
         positive = obj.get("positive", False)
         if not isinstance(positive, bool):
             raise _error(cls, f"{path}.positive", f"expected true or false, got {positive!r}")
-        return TensorSpec(name, shape, dtype, role, high, positive)
+        ignore = obj.get("ignore")
+        if ignore is not None and (isinstance(ignore, bool) or not isinstance(ignore, int) or dtype != "int"):
+            raise _error(cls, f"{path}.ignore", f"expected an integer on an int input (the value a loss ignores), "
+                                                f"got {ignore!r} on a {dtype} input")
+        return TensorSpec(name, shape, dtype, role, high, positive, ignore)
 
 
 @dataclass(frozen=True)

@@ -151,7 +151,7 @@ class Lowering:
         names = tuple(spec.name if n == 1 else f"{spec.name}@{m}" for m in range(n))
         for name in names:
             self.inputs.append(TensorSpec(name, self.local_shape(layout), spec.dtype, spec.role,
-                                          spec.high, spec.positive))
+                                          spec.high, spec.positive, spec.ignore))
             self.shapes[name] = self.local_shape(layout)
         local = Local(layout, names, spec.dtype)
         self.values[spec.name] = self._hold(local, spec.name)

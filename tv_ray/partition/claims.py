@@ -40,7 +40,7 @@ from tv_ray.ir.ops import COMMUNICATION, VIEWS
 from tv_ray.partition.microbatches import counterparts
 from tv_ray.plan import Plan
 from tv_ray.semantics import run_graph
-from tv_ray.simulate import draw_inputs, rank_inputs
+from tv_ray.simulate import draw_inputs, masked, rank_inputs
 
 if TYPE_CHECKING:
     from tv_ray.partition.symmetry import Blocks
@@ -450,10 +450,11 @@ def digit_runs(shape: tuple[int, ...], high: int) -> int:
     return 1 + needed + (n > high)
 
 
-def run_concrete(plan: Plan, dims: dict[str, int], seed: int = 0,
-                 digit: int | None = None) -> tuple[ConcreteRun, dict[tuple[int, str], Claim]]:
+def run_concrete(plan: Plan, dims: dict[str, int], seed: int = 0, digit: int | None = None,
+                 mask: bool = False) -> tuple[ConcreteRun, dict[tuple[int, str], Claim]]:
     """Run the logical graph and every rank on one random point, keeping all values (int data from
-    `token_data`; small float weights, so no softmax saturates and no gradient vanishes to 1e-19)."""
+    `token_data`, and with `mask` a quarter of a masked target's elements ignored; small float weights, so no
+    softmax saturates and no gradient vanishes to 1e-19)."""
     rng = np.random.default_rng(seed)
     inputs = draw_inputs(plan.logical, dims, rng)
     for spec in plan.logical.inputs:
@@ -462,6 +463,8 @@ def run_concrete(plan: Plan, dims: dict[str, int], seed: int = 0,
         if spec.dtype == "int" and spec.high is not None and spec.role != "step":
             high = spec.high.eval(dims) if hasattr(spec.high, "eval") else int(spec.high)
             inputs[spec.name] = token_data(inputs[spec.name].shape, high, rng, digit)
+            if mask and spec.ignore is not None:
+                inputs[spec.name] = masked(inputs[spec.name], spec.ignore, rng)
     logical = run_graph(plan.logical, dims, inputs, keep=True)
     in_claims = input_claims(plan, {name: value.shape for name, value in logical.items()})
     scheduler = Scheduler(plan, dims, rank_inputs(plan, logical), keep=True)
@@ -519,7 +522,8 @@ def _anchor(value: np.ndarray) -> int | None:
 def runs_for(plan: Plan, dims: dict[str, int], seed: int = 0) -> tuple[list[ConcreteRun], dict]:
     """One random run and enough digit runs (`token_data`) that every two elements of int data differ in one of
     them: the elements numbered, the digits of the blocks' numbers, and one more where a row holds more than one
-    block."""
+    block; where targets are masked, one more random run with a quarter of them ignored (a fault that shows only
+    on ignored targets is confirmed there, not left unknown)."""
     first, claims = run_concrete(plan, dims, seed)
     digits = 0
     for spec in plan.logical.inputs:
@@ -527,6 +531,8 @@ def runs_for(plan: Plan, dims: dict[str, int], seed: int = 0) -> tuple[list[Conc
             high = spec.high.eval(dims) if hasattr(spec.high, "eval") else int(spec.high)
             digits = max(digits, digit_runs(first.logical[spec.name].shape, high))
     runs = [first] + [run_concrete(plan, dims, seed + 1 + k, digit=k)[0] for k in range(digits)]
+    if any(spec.ignore is not None for spec in plan.logical.inputs):
+        runs.append(run_concrete(plan, dims, seed + 1 + digits, mask=True)[0])
     return runs, claims
 
 

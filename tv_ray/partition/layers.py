@@ -135,7 +135,7 @@ class LayerShift:
         for x, y in renames.items():
             if x in specs:
                 a, b = specs[x], specs[y]
-                if (a.role, a.high, a.positive) == (b.role, b.high, b.positive):
+                if (a.role, a.high, a.positive, a.ignore) == (b.role, b.high, b.positive, b.ignore):
                     alike.add(x)
                 continue
             a, b = nodes[x], nodes[y]

@@ -106,7 +106,7 @@ class LogicalTerms:
             high = spec.high.eval(dims) if hasattr(spec.high, "eval") else int(spec.high or 2)
             arr = np.empty(shape, dtype=object)
             for idx in np.ndindex(shape):
-                arr[idx] = choice(Atom(spec.name, idx), high)
+                arr[idx] = choice(Atom(spec.name, idx), high, spec.ignore)
             lt.value[spec.name] = lt.definition[spec.name] = arr
         for node in graph.nodes:
             lt.order[node.name] = len(lt.order)

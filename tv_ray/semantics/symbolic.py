@@ -56,7 +56,8 @@ def _exp(t: Term) -> Term:
 @dataclass(frozen=True)
 class Choice:
     """An int/bool value depending on one integer data element `base` (an `Atom`) in [0, len(table)):
-    value = table[base]."""
+    value = table[base]. (A masked target's element ranges over one more value than the ids: the loss's
+    ignore_index, the table's last entry.)"""
 
     base: Atom
     table: tuple
@@ -66,9 +67,9 @@ class Choice:
             raise SymbolicError(f"integer element {self.base} has an empty range")
 
 
-def choice(base: Atom, high: int) -> Choice:
-    """The int data element `base`, ranging over [0, high)."""
-    return Choice(base, tuple(range(high)))
+def choice(base: Atom, high: int, ignore: int | None = None) -> Choice:
+    """The int data element `base`, ranging over [0, high) — and `ignore` (a target the loss ignores) if given."""
+    return Choice(base, tuple(range(high)) + (() if ignore is None else (ignore,)))
 
 
 def to_term(x) -> Term:
