@@ -129,7 +129,7 @@ def test_the_header_is_the_fields_before_the_logical_graph_and_nothing_else_is_r
     recipe = plain.read_text().replace(' "schedule": ', ' "recipe": {"optim": "sgd"},\n "schedule": ', 1)
     plain.write_text(recipe)            # a recipe written by hand: read as the plan reads it, defaults filled in
     assert Plan.header(plain)["recipe"] == Plan.load(plain).recipe == {"optim": "sgd", "clip": None, "tied": None,
-                                                                       "parallel": ""}
+                                                                       "masked": False, "parallel": ""}
     plain.write_text(recipe.replace('{"optim": "sgd"}', '{"optim": 3}'))
     assert Plan.header(plain) == {}     # not a plan's: nothing begun from it (reading it in full says why)
     broken = tmp_path / "broken.json.gz"
