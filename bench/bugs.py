@@ -7,9 +7,9 @@ with the bug switched on) the faulty plan is verified on the local engine: refut
 (verification alone; building the plan is `build_s`), located (the first refuted stage where the fault enters and a
 headline that says what it is: `Case.location_problems`), the factor or cause the headline names, whether the
 concrete runs showed wrong outputs, and the twin's verdict. A class tv_ray cannot express is a row saying what it
-lacks. Rows go to `--out` after every class; the table between the README's "bug classes" markers is rewritten from
-them (`--readme ''` leaves the README alone). Exit 1 if an expressible class is not refuted and located or a twin is
-not proved.
+lacks. Rows go to `--out` after every class — with `--classes`, in place of those classes' rows already there —
+and the table between the README's "bug classes" markers is rewritten from them (`--readme ''` leaves the README
+alone). Exit 1 if an expressible class is not refuted and located or a twin is not proved.
 """
 from __future__ import annotations
 
@@ -102,13 +102,15 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     names = titles()
     chosen = args.classes.split(",") if args.classes else list(CORPUS)
-    rows = []
+    out = Path(args.out)
+    kept = {r["id"]: r for r in json.loads(out.read_text())["rows"]} if args.classes and out.exists() else {}
     for cls in chosen:
-        rows.append(run(cls, names[cls]))
-        print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("headline", "problems")}), flush=True)
+        kept[cls] = run(cls, names[cls])
+        print(json.dumps({k: v for k, v in kept[cls].items() if k not in ("headline", "problems")}), flush=True)
+        rows = [kept[c] for c in CORPUS if c in kept]
         total = summary(rows)
-        Path(args.out).write_text(json.dumps({"summary": total, "rows": rows}, indent=1) + "\n")
-    if args.readme and not args.classes:
+        out.write_text(json.dumps({"summary": total, "rows": rows}, indent=1) + "\n")
+    if args.readme and len(rows) == len(CORPUS):
         write_readme(Path(args.readme), rows, total)
     print(json.dumps(total))
     bad = [r["id"] for r in rows if r["expressible"] and not (r["refuted"] and r["located"] and r["twin"] == "proved")]
