@@ -105,9 +105,9 @@ def _after(plan: Plan, target: Node, new: Node, program: str = "main") -> Plan:
     return with_program(plan, program, graph)
 
 
-def _changed(plan: Plan, *nodes: Node, program: str = "main", **edits) -> Plan:
-    return with_program(plan, program, edit(plan.programs[program], program,
-                                            change={n.name: n for n in nodes}, **edits))
+def _changed(plan: Plan, *nodes: Node, program: str = "main") -> Plan:
+    """`plan` with `nodes` in place of the nodes of `program` they are named as."""
+    return with_program(plan, program, edit(plan.programs[program], program, change={n.name: n for n in nodes}))
 
 
 # -- A: TrainVerify's mutations --------------------------------------------------------------------

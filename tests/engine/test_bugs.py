@@ -1,6 +1,7 @@
 """The bug corpus (tests/engine/bugs.py): docs/bugs.md lists its classes; every class built by mutating a planner's
 plan is refuted where it enters, with the report saying what the class is, and its twin is proved. (A1–A14 are
 pinned in test_mutants.py, the traced classes in tests/frontend/test_traced.py; bench/bugs.py runs them all.)"""
+import dataclasses
 import re
 
 import pytest
@@ -35,3 +36,12 @@ def test_class_is_refuted_where_it_enters_and_its_twin_proved(cls):
         _proved[id(case.twin)] = _verify(case.twin).status
     assert _proved[id(case.twin)] == "proved"
 
+
+
+def test_a_report_pointing_elsewhere_is_not_located():
+    case = CORPUS["B14"].build()
+    result = _verify(case.faulty)
+    elsewhere = dataclasses.replace(case, phase="fwd", module="layers.1", tensor="t_54~1", says=("3 × logical",))
+    assert elsewhere.location_problems(result) == [
+        "phase 'bwd', expected 'fwd'", "tensor 't_54~2.times_dp', expected 't_54~1'",
+        "module 'layers.0.mlp.up_proj', expected 'layers.1' or under it", "the headline does not say '3 × logical'"]
