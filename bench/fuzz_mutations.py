@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import json
 import random
 import statistics
@@ -33,11 +34,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.engine.bugs import correct  # noqa: E402
-from tests.engine.mutants import _like, _set_args, _set_attrs, edit, with_program  # noqa: E402
+from tests.engine.bugs import changed, correct, inserted_after  # noqa: E402
+from tests.engine.mutants import _like, _set_args, _set_attrs  # noqa: E402
 from tv_ray import api  # noqa: E402
 from tv_ray.errors import TvRayError  # noqa: E402
-from tv_ray.ir import Node, Op  # noqa: E402
+from tv_ray.ir import Op  # noqa: E402
 from tv_ray.plan import Plan  # noqa: E402
 from tv_ray.plan_check import check_plan  # noqa: E402
 from tv_ray.simulate import simulate  # noqa: E402
@@ -65,47 +66,32 @@ def _program(rng: random.Random, plan: Plan) -> str:
     return rng.choice(sorted(plan.programs))
 
 
-def _replaced(plan: Plan, program: str, *nodes: Node, **edits) -> Plan:
-    return with_program(plan, program, edit(plan.programs[program], program, change={n.name: n for n in nodes},
-                                            **edits))
-
-
 def dropped(rng, plan, program):
     """A collective that reduces dropped: its readers read its input."""
     node = rng.choice([n for n in plan.programs[program].nodes if n.op == Op.ALL_REDUCE])
-    return _replaced(plan, program, _like(node, node.name, "clone", node.args)), f"{node.name} dropped"
+    return changed(plan, _like(node, node.name, "clone", node.args), program=program), f"{node.name} dropped"
 
 
 def twice(rng, plan, program):
     node = rng.choice([n for n in plan.programs[program].nodes if n.op == Op.ALL_REDUCE])
     again = _like(node, f"{node.name}.again", "all_reduce", [node.name], dict(node.attrs))
-    graph = edit(plan.programs[program], program, after={node.name: [again]}, rename_args={node.name: again.name})
-    graph = edit(graph, program, change={again.name: again})
-    return with_program(plan, program, graph), f"{node.name} applied twice"
+    return inserted_after(plan, node, again, program), f"{node.name} applied twice"
 
 
 def regrouped(rng, plan, program):
     node = rng.choice([n for n in plan.programs[program].nodes if n.op in REDUCING + (Op.ALL_GATHER,)])
     axes = [a for a, n in plan.mesh if n > 1]
-    groups = [g for size in range(1, len(axes) + 1) for g in _subsets(axes, size) if set(g) != set(node.attr["axes"])]
+    groups = [g for size in range(1, len(axes) + 1) for g in itertools.combinations(axes, size)
+              if set(g) != set(node.attr["axes"])]
     group = rng.choice(groups)
-    return _replaced(plan, program, _set_attrs(node, axes=tuple(group))), \
+    return changed(plan, _set_attrs(node, axes=tuple(group)), program=program), \
         f"{node.name} over {'×'.join(group)} instead of {'×'.join(node.attr['axes'])}"
-
-
-def _subsets(items, size):
-    if size == 0:
-        return [[]]
-    if not items:
-        return []
-    head, rest = items[0], items[1:]
-    return [[head] + s for s in _subsets(rest, size - 1)] + _subsets(rest, size)
 
 
 def reduce_op(rng, plan, program):
     node = rng.choice([n for n in plan.programs[program].nodes if n.op in REDUCING])
     other = rng.choice([r for r in ("sum", "avg", "max") if r != node.attr["reduce"]])
-    return _replaced(plan, program, _set_attrs(node, reduce=other)), \
+    return changed(plan, _set_attrs(node, reduce=other), program=program), \
         f"{node.name} reduces with {other} instead of {node.attr['reduce']}"
 
 
@@ -114,7 +100,8 @@ def constant(rng, plan, program):
                        and n.op != Op.FULL_LIKE])
     old = node.attr["other"]
     new = rng.choice([old * 2, old / 2, old + 1e-3, -old if old else 1.0])
-    return _replaced(plan, program, _set_attrs(node, other=new)), f"{node.name} ({node.op}) other {old:g} -> {new:g}"
+    return changed(plan, _set_attrs(node, other=new), program=program), \
+        f"{node.name} ({node.op}) other {old:g} -> {new:g}"
 
 
 def tags_swapped(rng, plan, program):
@@ -122,7 +109,7 @@ def tags_swapped(rng, plan, program):
     pairs = [(a, b) for i, a in enumerate(sends) for b in sends[i + 1:]
              if a.shape == b.shape and dict(a.attr["peer"]) == dict(b.attr["peer"]) and a.attr["tag"] != b.attr["tag"]]
     a, b = rng.choice(pairs)
-    return _replaced(plan, program, _set_attrs(a, tag=b.attr["tag"]), _set_attrs(b, tag=a.attr["tag"])), \
+    return changed(plan, _set_attrs(a, tag=b.attr["tag"]), _set_attrs(b, tag=a.attr["tag"]), program=program), \
         f"sends {a.name} and {b.name} swap tags"
 
 
@@ -141,7 +128,7 @@ def other_microbatch(rng, plan, program):
     node, i, other = rng.choice(choices)
     args = list(node.args)
     old, args[i] = args[i], other
-    return _replaced(plan, program, _set_args(node, *args)), f"{node.name} reads {other} instead of {old}"
+    return changed(plan, _set_args(node, *args), program=program), f"{node.name} reads {other} instead of {old}"
 
 
 def shard_axis(rng, plan, program):
@@ -151,7 +138,8 @@ def shard_axis(rng, plan, program):
     node = rng.choice(chunks)
     (axis,) = node.attr["axes"]
     other = rng.choice([a for a, s in sizes.items() if a != axis and s == sizes[axis]])
-    return _replaced(plan, program, _set_attrs(node, axes=(other,))), f"{node.name} takes its {other} shard, not {axis}"
+    return changed(plan, _set_attrs(node, axes=(other,)), program=program), \
+        f"{node.name} takes its {other} shard, not {axis}"
 
 
 KINDS = {"dropped": dropped, "twice": twice, "group": regrouped, "reduce_op": reduce_op, "constant": constant,

@@ -91,8 +91,8 @@ def masked(values: np.ndarray, ignore: int, rng: np.random.Generator) -> np.ndar
     """`values` with elements set to `ignore` at random — targets the loss ignores (padding) —, row (sample) r of
     R with a chance growing as 0.75·r/R, so that samples, and so microbatches, count different numbers of
     tokens."""
-    rows = int(np.prod(values.shape[:-1])) if values.ndim > 1 else 1
-    chance = (np.arange(rows) * 0.75 / rows).reshape(values.shape[:-1] + (1,)) if values.ndim > 1 else 0.25
+    rows = values.shape[:-1]
+    chance = np.linspace(0, 0.75, int(np.prod(rows)), endpoint=False).reshape(rows + (1,)) if rows else 0.25
     return np.where(rng.random(values.shape) < chance, ignore, values).astype(values.dtype)
 
 

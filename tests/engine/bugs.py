@@ -98,14 +98,14 @@ def _one(plan: Plan, where: Callable[[Node], bool], program: str = "main") -> No
     return found
 
 
-def _after(plan: Plan, target: Node, new: Node, program: str = "main") -> Plan:
+def inserted_after(plan: Plan, target: Node, new: Node, program: str = "main") -> Plan:
     """`plan` with `new` (reading `target`) inserted after `target`, every other reader of `target` reading `new`."""
     graph = edit(plan.programs[program], program, after={target.name: [new]}, rename_args={target.name: new.name})
     graph = edit(graph, program, change={new.name: new})          # `new` itself still reads `target`
     return with_program(plan, program, graph)
 
 
-def _changed(plan: Plan, *nodes: Node, program: str = "main") -> Plan:
+def changed(plan: Plan, *nodes: Node, program: str = "main") -> Plan:
     """`plan` with `nodes` in place of the nodes of `program` they are named as."""
     return with_program(plan, program, edit(plan.programs[program], program, change={n.name: n for n in nodes}))
 
@@ -138,7 +138,7 @@ def _final_norm_gradient(plan: Plan) -> Node:
 def b2_sp_norm_gradient_averaged() -> Case:
     twin = _sp()
     reduced = _final_norm_gradient(twin)
-    faulty = _changed(twin, _set_attrs(reduced, reduce="avg"))
+    faulty = changed(twin, _set_attrs(reduced, reduce="avg"))
     return Case(faulty, twin, "bwd", "norm", reduced.name, ("physical = 0.25 × logical",))
 
 
@@ -146,7 +146,7 @@ def b9_sp_gradient_scaled_by_sp() -> Case:
     twin = _sp()
     reduced = _final_norm_gradient(twin)
     scaled = _like(reduced, f"{reduced.name}.times_sp", "mul", [reduced.name], {"other": 2.0})
-    return Case(_after(twin, reduced, scaled), twin, "bwd", "norm", scaled.name, ("physical = 2 × logical",))
+    return Case(inserted_after(twin, reduced, scaled), twin, "bwd", "norm", scaled.name, ("physical = 2 × logical",))
 
 
 def _norm_sum(plan: Plan, weight: str, reduced: bool) -> Node:
@@ -159,7 +159,7 @@ def c2_replicated_weight_counted_tp_times() -> Case:
     twin = _sp()
     local = _norm_sum(twin, "layers.0.attn_norm.weight", reduced=False)
     summed = _like(local, f"{local.name}~tp", "all_reduce", [local.name], {"axes": ["tp"], "reduce": "sum"})
-    return Case(_after(twin, local, summed), twin, "optim", "", "optim.layers.0.attn.v_proj.weight.norm_sq_acc",
+    return Case(inserted_after(twin, local, summed), twin, "optim", "", "optim.layers.0.attn.v_proj.weight.norm_sq_acc",
                 (f"{summed.name} sums {local.name} over tp", "the reduction over tp is one too many"))
 
 
@@ -168,7 +168,7 @@ def c10_clip_norm_from_partial_sums() -> Case:
     twin = _sp()
     acc = twin.programs["main"].value("optim.layers.0.attn.q_proj.weight.norm_sq_acc")
     local = _norm_sum(twin, "layers.0.attn.q_proj.weight", reduced=False)
-    faulty = _changed(twin, _set_args(acc, acc.args[0], local.name))
+    faulty = changed(twin, _set_args(acc, acc.args[0], local.name))
     return Case(faulty, twin, "optim", "", "optim.layers.0.attn.o_proj.weight.norm_sq_acc",
                 (f"it reads {local.name} on ranks 0, 1, a partial sum over tp never reduced",))
 
@@ -214,14 +214,14 @@ def b11_accumulated_gradient_wiped() -> Case:
     twin = _base()
     accumulated = twin.programs["stage0"].value("t_54~1")
     kept = _like(accumulated, accumulated.name, "clone", [accumulated.args[-1]])
-    return Case(_changed(twin, kept, program="stage0"), twin, "bwd", "layers.0.mlp.up_proj", "t_54~1", ())
+    return Case(changed(twin, kept, program="stage0"), twin, "bwd", "layers.0.mlp.up_proj", "t_54~1", ())
 
 
 def b12_zero2_keeps_the_last_microbatch() -> Case:
     twin = _mb(zero=2)
     accumulated = twin.programs["main"].value("t_54~1")
     kept = _like(accumulated, accumulated.name, "clone", [accumulated.args[-1]])
-    return Case(_changed(twin, kept), twin, "bwd", "layers.0.mlp.up_proj", "t_54~1", ())
+    return Case(changed(twin, kept), twin, "bwd", "layers.0.mlp.up_proj", "t_54~1", ())
 
 
 def b13_zero_loss_of_the_last_microbatch() -> Case:
@@ -230,7 +230,7 @@ def b13_zero_loss_of_the_last_microbatch() -> Case:
     graph = twin.programs["main"]
     summed = graph.value(dict(graph.outputs)["loss"])
     last = _like(summed, summed.name, "mul", [summed.args[-1]], {"other": 2.0})
-    return Case(_changed(twin, last), twin, "", "", summed.name, ())
+    return Case(changed(twin, last), twin, "", "", summed.name, ())
 
 
 def _averaged(plan: Plan, bug: bool) -> Plan:
@@ -239,7 +239,7 @@ def _averaged(plan: Plan, bug: bool) -> Plan:
     reduced = plan.programs["main"].value("t_54~2")
     mean = _set_attrs(reduced, reduce="sum" if bug else "avg")
     times = _like(reduced, f"{reduced.name}.times_dp", "mul", [reduced.name], {"other": 2.0})
-    return _after(_changed(plan, mean), mean, times)
+    return inserted_after(changed(plan, mean), mean, times)
 
 
 def b14_avg_reduction_sums() -> Case:
@@ -254,7 +254,7 @@ def b17_scalar_read_before_its_reduction() -> Case:
     graph = twin.programs["main"]
     losses = _nodes(twin, lambda n: n.name.startswith("nll_loss_forward@"))
     local = graph.value(graph.value(losses[0].args[1]).args[0])
-    faulty = _changed(twin, *[_set_args(n, n.args[0], local.name) for n in losses])
+    faulty = changed(twin, *[_set_args(n, n.args[0], local.name) for n in losses])
     return Case(faulty, twin, "", "", dict(graph.outputs)["loss"], ("physical = 2 × logical",))
 
 
@@ -295,7 +295,7 @@ def c4_correction_factor_without_cp() -> Case:
     twin = _cp()
     count = _token_count(twin, "bwd")
     scaled = _like(count, f"{count.name}.dp_only", "mul", [count.name], {"other": 0.5})
-    return Case(_after(twin, count, scaled), twin, "bwd", "", "view_33", ("physical = 2 × logical",))
+    return Case(inserted_after(twin, count, scaled), twin, "bwd", "", "view_33", ("physical = 2 × logical",))
 
 
 def b18_all_reduce_over_cp_inserted() -> Case:
@@ -304,7 +304,7 @@ def b18_all_reduce_over_cp_inserted() -> Case:
     gathered = _nodes(twin, lambda n: n.op == Op.ALL_GATHER and n.get_meta("phase") == "fwd")[0]
     summed = _like(gathered, f"{gathered.name}~cp", "all_reduce", [gathered.name], {"axes": ["cp"], "reduce": "sum"})
     reader = _nodes(twin, lambda n: gathered.name in n.args)[0]
-    return Case(_after(twin, gathered, summed), twin, "fwd", gathered.get_meta("module"), reader.name,
+    return Case(inserted_after(twin, gathered, summed), twin, "fwd", gathered.get_meta("module"), reader.name,
                 ("physical = 2 × logical", "the reduction over cp is one too many"))
 
 
@@ -316,7 +316,8 @@ def b6_aux_loss_gradient_divided_by_cp() -> Case:
                 and n.get_meta("module") == "layers.1.mlp" and n.attr["axes"] == ("cp",))
     (reader,) = _nodes(twin, lambda n: load.name in n.args)
     scaled = _like(load, f"{load.name}.over_cp", "mul", [load.name], {"other": 0.5})
-    return Case(_after(twin, load, scaled), twin, "bwd", "layers.1.mlp", reader.name, ("physical = 0.5 × logical",))
+    return Case(inserted_after(twin, load, scaled), twin, "bwd", "layers.1.mlp", reader.name,
+                ("physical = 0.5 × logical",))
 
 
 # -- expert parallelism: deepseek-tiny dp=4,ep=2 (mesh dp=2 × ep=2) ------------------------------
@@ -334,7 +335,7 @@ def b22_expert_gradient_ep_times_too_large() -> Case:
     twin = _ep()
     reduced = gradient_of(twin, "layers.1.mlp.experts.w_gate")
     scaled = _like(reduced, f"{reduced.name}.scaled", "mul", [reduced.name], {"other": 2.0})
-    return Case(_after(twin, reduced, scaled), twin, "bwd", "layers.1.mlp.experts", scaled.name,
+    return Case(inserted_after(twin, reduced, scaled), twin, "bwd", "layers.1.mlp.experts", scaled.name,
                 ("physical = 2 × logical",))
 
 
@@ -343,7 +344,7 @@ def b23_expert_input_gradient_left_partial() -> Case:
     twin = _ep()
     reduced = _one(twin, lambda n: n.op == Op.ALL_REDUCE and tuple(n.attr["axes"]) == ("ep",)
                    and not n.get_meta("module") and n.get_meta("phase") == "bwd")
-    faulty = _changed(twin, _like(reduced, reduced.name, "clone", reduced.args))
+    faulty = changed(twin, _like(reduced, reduced.name, "clone", reduced.args))
     return Case(faulty, twin, "bwd", "", reduced.name, ("partial sum over ep",))
 
 
@@ -362,7 +363,7 @@ def c5_router_partial_gradients_never_summed() -> Case:
                      and n.get_meta("phase") == "bwd")
     local = _like(scattered, scattered.name, "local_chunk", scattered.args,
                   {"axes": ["ep"], "dim": scattered.attr["dim"]})
-    return Case(_changed(twin, local), twin, "bwd", "", scattered.name, ())
+    return Case(changed(twin, local), twin, "bwd", "", scattered.name, ())
 
 
 def c6_aux_loss_gradient_dropped() -> Case:
@@ -370,7 +371,7 @@ def c6_aux_loss_gradient_dropped() -> Case:
     twin = _ep()
     seed = _one(twin, lambda n: n.op.value == "mul" and n.args == ("ones_like",) and n.get_meta("phase") == "bwd"
                 and n.get_meta("module") == "layers.1.mlp")
-    return Case(_changed(twin, _set_attrs(seed, other=0.0)), twin, "bwd", "layers.1.mlp", seed.name, ())
+    return Case(changed(twin, _set_attrs(seed, other=0.0)), twin, "bwd", "layers.1.mlp", seed.name, ())
 
 
 def b26_global_norm_without_other_ep_shards() -> Case:

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any, Mapping, Sequence
 
 from tv_ray.errors import CaptureError
-from tv_ray.ir import Expr, Graph, Node, TensorSpec
+from tv_ray.ir import Expr, Graph, Node
 from tv_ray.ir.ops import ATTRS
 
 Dims = Mapping[str, int]
@@ -220,8 +220,8 @@ def fit_graphs(graphs: Sequence[Graph], tables: Sequence[Dims], at: Dims) -> Gra
         if len({(s.name, s.dtype, s.role, s.ignore) for s in specs}) != 1:
             raise _differs(-1, "inputs", specs, tables)
         high = None if s0.high is None else fitter.fit_int([s.high.const_value() for s in specs], f"input {s0.name} high")
-        inputs.append(TensorSpec(s0.name, tuple(_fit_shape(fitter, [s.shape for s in specs], -1, f"input {s0.name}")),
-                                 s0.dtype, s0.role, high, s0.positive, s0.ignore))
+        inputs.append(replace(s0, shape=tuple(_fit_shape(fitter, [s.shape for s in specs], -1, f"input {s0.name}")),
+                              high=high))
     nodes = []
     for i, group in enumerate(zip(*(g.nodes for g in graphs))):
         n0 = group[0]
@@ -246,8 +246,8 @@ def instantiate(graph: Graph, dims: Dims) -> Graph:
     def const(e: Expr) -> Expr:
         return Expr.const(e.eval(dims))
 
-    inputs = tuple(TensorSpec(s.name, tuple(map(const, s.shape)), s.dtype, s.role,
-                              None if s.high is None else const(s.high), s.positive, s.ignore) for s in graph.inputs)
+    inputs = tuple(replace(s, shape=tuple(map(const, s.shape)), high=None if s.high is None else const(s.high))
+                   for s in graph.inputs)
     nodes = []
     for node in graph.nodes:
         schema = ATTRS.get(node.op, {})

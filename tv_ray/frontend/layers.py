@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 from tv_ray.errors import CaptureError, GraphError
@@ -246,8 +246,7 @@ class LayerPattern:
         out: list[TensorSpec] = []
         for spec in self.three.inputs:
             if spec.name == self.new_inputs[0]:
-                out += [TensorSpec(self.namer.at(s.name, j), s.shape, s.dtype, s.role, s.high, s.positive,
-                                   s.ignore)
+                out += [replace(s, name=self.namer.at(s.name, j))
                         for j in range(self.namer.new, newest + 1) for s in self.three.inputs
                         if s.name in self.new_inputs]
             elif spec.name not in self.new_inputs:

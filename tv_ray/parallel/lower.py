@@ -10,7 +10,7 @@ copy per microbatch, and reducing over ``mb`` is gradient accumulation.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from tv_ray.errors import ParallelConfigError
@@ -150,8 +150,7 @@ class Lowering:
         n = self.copies(layout)
         names = tuple(spec.name if n == 1 else f"{spec.name}@{m}" for m in range(n))
         for name in names:
-            self.inputs.append(TensorSpec(name, self.local_shape(layout), spec.dtype, spec.role,
-                                          spec.high, spec.positive, spec.ignore))
+            self.inputs.append(replace(spec, name=name, shape=self.local_shape(layout)))
             self.shapes[name] = self.local_shape(layout)
         local = Local(layout, names, spec.dtype)
         self.values[spec.name] = self._hold(local, spec.name)

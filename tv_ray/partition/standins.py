@@ -172,7 +172,7 @@ class StandIns:
         if not self.mirrors_of or any(m in self.virtual for m in members) or \
                 not any(m in self.mirrors_of for m in members):
             return
-        brought = [self._kinds.get((m, self._at(m).args[0])) if m in self.mirrors_of else "computed" for m in members]
+        brought = (self._kinds.get((m, self._at(m).args[0])) if m in self.mirrors_of else "computed" for m in members)
         kinds = {"own" if isinstance(k, dict) else k for k in brought}     # a dict: each mirror's own value
         if len(kinds) > 1 or not kinds <= {None, SAME}:
             raise Asymmetric(f"the mirrors of group {list(members)} bring mixed values to a collective")
