@@ -2,6 +2,7 @@
 wherever the mutation is neutral, and never proved where `tv-ray run` deviates (issue 19's "no unsound proof").
 
     python bench/fuzz_mutations.py [--mutations 1000] [--seed 0] [--out bench/results/fuzz.json]
+    python bench/fuzz_mutations.py --merge a.json b.json --out bench/results/fuzz_long.json   # runs side by side
 
 The plans are small correct ones the planner builds (`BASES`: tensor, sequence, data parallelism and ZeRO; a
 pipeline; context parallelism; expert parallelism). Each mutation changes one thing in one program (every rank
@@ -174,7 +175,18 @@ def main(argv=None) -> int:
     parser.add_argument("--mutations", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "fuzz.json"))
+    parser.add_argument("--merge", nargs="+", metavar="FUZZ_JSON",
+                        help="no run: the rows of these results (runs with other seeds, side by side) into --out")
     args = parser.parse_args(argv)
+    if args.merge:
+        parts = [json.loads(Path(path).read_text()) for path in args.merge]
+        args.seed = [part["summary"]["seed"] for part in parts]
+        malformed = sum((collections.Counter(part["summary"]["malformed_redrawn"]) for part in parts),
+                        collections.Counter())
+        total = write(args, [row for part in parts for row in part["rows"]], malformed,
+                      sum(part["summary"]["seconds"] for part in parts))
+        print(json.dumps(total))
+        return 0
     rng = random.Random(args.seed)
     bases = {name: correct(model, spec, optim, clip, **flags) for name, (model, spec, optim, clip, flags)
              in BASES.items()}

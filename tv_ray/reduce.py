@@ -9,6 +9,12 @@ still divides its dimension; and the plan stays well formed (every shape
 expression >= 1, slice bounds keep their order). Layer count, parallel
 degrees and microbatch count are not dims, so they are never reduced.
 
+Values made from positions are not data, and a reduced dim keeps only its
+first positions: a triu mask keeps enough rows that its diagonal differs
+from every other (`_triu`); a float arange's elements are variables, not
+its first few positions' values (`tv_ray.semantics.symbolic`), so a constant
+changed on it shows whatever position it matters at (docs/reduction.md).
+
 Example::
 
     plan = tv_ray.parallelize(tv_ray.capture_step("llama3-tiny"), "dp=2,tp=2", model="llama3-tiny")
@@ -156,11 +162,11 @@ class _Collector:
             cond.sources.append(entry)
 
     # the four condition makers every rule uses
-    def reduced(self, expr: Expr, source: Source) -> None:
+    def reduced(self, expr: Expr, source: Source, least: int = 2) -> None:
         if expr.is_const:
             return
         at_full = self.at_full(expr)
-        bound = 2 if at_full >= 2 else max(1, math.floor(at_full))   # "or its full value if smaller"
+        bound = least if at_full >= least else max(1, math.floor(at_full))   # "or its full value if smaller"
         self.add("reduced", Atom("at_least", expr, bound), f"{expr} >= {bound}", source)
 
     def divides(self, expr: Expr, parts: int, source: Source) -> None:
@@ -229,6 +235,15 @@ def _softmax(c, node, shapes, axis_sizes, path):
     name = {Op.SOFTMAX: "softmax", Op.LOG_SOFTMAX: "log_softmax", Op.SOFTMAX_BACKWARD: "softmax backward",
             Op.LOG_SOFTMAX_BACKWARD: "log_softmax backward"}[node.op]
     c.reduced(shapes[0][_axis(d, len(shapes[0]))], (path, node, f"{name} axis {d}"))
+
+
+@_rule(Op.TRIU)
+def _triu(c, node, shapes, axis_sizes, path):
+    # the mask keeps j - i >= d; on an n x n matrix the diagonals -(n-1) .. n give 2n different masks, so one
+    # with n > d (d > 0) or n >= 2 - d differs from every other diagonal's (a causal mask's d = 1: n >= 2)
+    d = node.attr["diagonal"]
+    for size in shapes[0][-2:]:
+        c.reduced(size, (path, node, f"triu mask (diagonal {d})"), d + 1 if d > 0 else 2 - d)
 
 
 @_rule(Op.NLL_LOSS)

@@ -7,12 +7,14 @@ import re
 import shutil
 from types import SimpleNamespace
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from tv_ray import api, processes
 from tv_ray.certificate import check_certificate
+from tv_ray.certificate.outcome import Replay
 from tv_ray.certificate.write import manifest_digest, sha256_file
 from tv_ray.cli import main
 from tv_ray.errors import CertificateError
@@ -331,3 +333,13 @@ def test_check_and_explain_commands(cert, capsys):
     _rewrite(cert, _flip_first_verdict, refresh_hashes=False)
     assert main(["check", str(cert), "--sample", "5"]) == 1
     assert "FAILED" in capsys.readouterr().err
+
+
+def test_a_replay_confirms_a_stage_only_past_rounding_relative_to_its_values():
+    def confirms(physical, logical):
+        return Replay(0.0, 0, np.array(physical), np.array(logical)).confirms
+
+    assert not confirms([1.0, -np.inf], [1.0 + 1e-9, -np.inf])    # rounding, and equal infinities
+    assert confirms([3e-3], [3e-3 + 5e-10])                          # small, but 1.7e-7 of the value
+    assert not confirms([0.0], [1e-12])                              # both nothing
+    assert confirms([1.0, 2.0], [1.0])                               # shapes differ

@@ -8,8 +8,8 @@ the two dp ranks that hold copies of them; the router, attention and shared expe
 """
 import pytest
 
-from tests.engine.bugs import gradient_of
-from tests.engine.mutants import _like, edit, reduced_over, refuted_at, with_program
+from tests.engine.bugs import changed, gradient_of
+from tests.engine.mutants import _like, _set_attrs, edit, reduced_over, refuted_at, with_program
 from tv_ray import api
 from tv_ray.engine.driver import verify_plan
 from tv_ray.ir import Op
@@ -74,3 +74,14 @@ def test_a_gradient_reduced_over_ep_alone_is_refuted_where_it_is(base):
     reduced = gradient_of(base, "norm.weight")
     headline = refuted_at(reduced_over(base, reduced, ["ep"]), reduced.name, "bwd", "norm")
     assert "partial sum over dp" in headline, headline
+
+
+def test_a_fault_tiny_in_absolute_terms_is_confirmed_against_the_values_it_moves(base):
+    """The first MLP norm's backward divisor 32 changed to 32.001 (found by bench/fuzz_mutations.py): gradients of
+    about 3e-3 move by 5e-10 at the reduced dims, under any absolute tolerance a concrete run allows, yet 1e-7 of
+    their size, far past rounding and past the tolerance claims are matched with: confirmed, refuted."""
+    div = base.programs["main"].value("div_16")
+    assert div.attr["other"] == 32.0 and div.get_meta("module") == "layers.0.mlp_norm"
+    result = api.verify(changed(base, _set_attrs(div, other=32.001)), engine="local", progress=False)
+    assert result.status == "refuted", result.report.get("headline")
+    assert result.report["stage"]["max_abs_dev"] < 1e-8

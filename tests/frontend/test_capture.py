@@ -258,3 +258,27 @@ def test_a_tied_parameter_is_one_input_whose_gradient_sums_its_uses():
     got = run_graph(graph, {}, {"embed.weight": module.embed.weight.detach().numpy(), "tokens": tokens.numpy(),
                                 "targets": targets.numpy()})
     assert np.allclose(got["grad/embed.weight"], module.embed.weight.grad.numpy(), rtol=0, atol=1e-12)
+
+
+class _CausalAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(4, 12, bias=False)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(1, 3, 3, 4).transpose(1, 2).split(1, dim=2)
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):    # the decomposable one
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum()
+
+
+def test_sdpa_causal_mask_is_a_triu_whose_diagonal_reduction_keeps():
+    """torch decomposes SDPA's causal mask through tril, which compares aranges; recorded as a triu instead, the
+    mask is an op shape reduction keeps visible (docs/reduction.md), and the step still computes SDPA's loss."""
+    model, x = _CausalAttention(), torch.randn(1, 3, 4, dtype=torch.float64)
+    graph = capture(model.double(), (x,))
+    (triu,) = [n for n in graph.nodes if n.op is Op.TRIU]
+    assert triu.attr["diagonal"] == 1 and not any(n.op is Op.ARANGE for n in graph.nodes)
+    values = {"qkv.weight": model.qkv.weight.detach().numpy()}
+    values |= {s.name: x.numpy() for s in graph.inputs if s.name not in values}
+    got = run_graph(graph, {}, values)
+    assert np.isclose(got["loss"], float(model(x)))

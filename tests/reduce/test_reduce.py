@@ -187,3 +187,15 @@ def test_a_repeated_op_counts_its_conditions_again_as_if_collected_afresh(llama_
     assert repeated == [c.to_json() for c in collect(fresh)]
     # microbatch copies share their shapes, so they were repeats; the counts say how many ops stated each
     assert sum(c["count"] for c in repeated) > len(repeated) + 100
+
+
+def test_a_triu_keeps_its_diagonal_visible(llama_plan):
+    """A causal mask (diagonal 1) needs seq >= 2; one made with diagonal 3 keeps 4 rows, where the two differ."""
+    from tests.engine.bugs import changed
+    from tests.engine.mutants import _set_attrs
+    whys = {c.text: [s["why"] for s in c.sources] for c in reduce_plan(llama_plan).conditions}
+    assert "triu mask (diagonal 1)" in whys["seq >= 2"]
+    program, triu = next((name, n) for name, g in llama_plan.programs.items() for n in g.nodes if n.op.value == "triu")
+    wider = reduce_plan(changed(llama_plan, _set_attrs(triu, diagonal=3), program=program))
+    assert wider.reduced["seq"] == 4
+    assert "triu mask (diagonal 3)" in [s["why"] for c in wider.conditions if c.text == "seq >= 4" for s in c.sources]

@@ -28,7 +28,7 @@ from tv_ray.engine.solve import Budget
 from tv_ray.errors import CommunicationError
 from tv_ray.partition.compose import composition_problems
 from tv_ray.partition.claims import Claims
-from tv_ray.partition.derive import Settings, derive_claims
+from tv_ray.partition.derive import Settings, derive_claims, position_deviations
 from tv_ray.partition.stages import Partition
 from tv_ray.plan import Plan
 from tv_ray.reduce import reduce_plan
@@ -126,15 +126,18 @@ def verify_plan(plan: Plan, *, budget: Budget = Budget(), executor: Executor | N
         if not wrong:
             break
         derivation.drop((rank, ob.tensor) for ob in wrong for rank in ob.ranks)
+    deviations = derivation.deviations
+    if not deviations and refuted:     # a fault past the positions the reduced dims keep shows at more of them
+        deviations = position_deviations(plan, derivation.reduction.reduced, derivation.settings.seed)
     proved = {o.id for o in part.obligations if verdicts[o.key].proved}
     problems = composition_problems(plan, part, proved)
     # belt and braces: a proof can never stand against an output that is wrong in a concrete run
     problems += [f"program output {d['stage']} differs from {d['logical']} by {d['max_abs_dev']:.3g} in a concrete "
-                 f"run" for d in derivation.deviations]
+                 f"run" for d in deviations]
     keys = {o.key for o in part.obligations}
     return Outcome(plan, derivation.reduction, part, derivation.runs, derivation.claims,
                    {k: verdicts[k] for k in keys}, problems, dict(phases), _name(executor),
-                   sorted(derivation.dropped), derivation.deviations, resumed=len(loaded & keys))
+                   sorted(derivation.dropped), deviations, resumed=len(loaded & keys))
 
 
 def _partials_read(part, refuted: set[str]) -> list:

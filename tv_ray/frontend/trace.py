@@ -53,11 +53,10 @@ def _var_mean_unbiased(x, dim=None, unbiased=True, keepdim=False):
 
 
 def _tril(x, diagonal=0):
-    """The lower triangle (SDPA's causal mask) as a select on row ≥ column (torch's own decomposition compares
-    with `le`, an op the IR does not have)."""
-    rows = aten.unsqueeze.default(aten.arange.default(x.shape[-2]), -1)
-    cols = aten.unsqueeze.default(aten.arange.default(x.shape[-1]), 0)
-    return aten.where.self(aten.ge.Tensor(aten.add.Tensor(rows, diagonal), cols), x, aten.zeros_like.default(x))
+    """The lower triangle (SDPA's causal mask) as a select where the upper triangle past it is not: a triu, whose
+    diagonal shape reduction keeps visible (docs/reduction.md; torch's own decomposition compares aranges)."""
+    above = aten.triu.default(aten.ones_like.default(x), diagonal + 1)
+    return aten.where.self(aten.eq.Scalar(above, 0), x, aten.zeros_like.default(x))
 
 
 def _masked_whole(x: torch.Tensor, dim: int) -> bool:

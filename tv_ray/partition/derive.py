@@ -22,14 +22,17 @@ A claim refuted as a wrong guess is dropped and the stages cut again
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import math
 from typing import Iterable
 
 import numpy as np
 
-from tv_ray.errors import ClaimsMissing
+from tv_ray.errors import ClaimsMissing, PlanError
 from tv_ray.execute import check_order
+from tv_ray.ir import Op
+from tv_ray.ir.dims import Expr
 from tv_ray.partition.claims import (Claims, ConcreteRun, group_value, infer_claims, input_claims, interior_claims,
-                                    output_claims, runs_for, stated_claims)
+                                    output_claims, run_concrete, runs_for, stated_claims)
 from tv_ray.partition.generate import ops_of, partition
 from tv_ray.partition.ids import StageId
 from tv_ray.partition.stages import Partition
@@ -42,6 +45,7 @@ from tv_ray.simulate import max_abs_deviation
 
 CONCRETE_LIMIT = 2_000_000    # op executions of one concrete run of every rank
 TOL = 1e-8       # a program output further than this from its lineage in a concrete run is wrong
+POSITION_LIMIT = 20_000_000    # elements of the logical step times ranks, for a run at `position_dims`
 
 
 @dataclass(frozen=True)
@@ -159,6 +163,39 @@ def output_deviations(plan: Plan, runs: list[ConcreteRun]) -> list[dict]:
     return sorted(out, key=lambda d: -d["max_abs_dev"])
 
 
+def position_dims(plan: Plan, reduced: dict[str, int]) -> dict[str, int] | None:
+    """The reduced dims with every dim that bounds a float arange (positions used as numbers: RoPE angles) at its
+    full size, where the plan holds there, is run concretely at all (`CONCRETE_LIMIT`) and its logical step
+    stays under `POSITION_LIMIT` elements times ranks; None otherwise, or when no such dim is reduced.
+
+    At the reduced dims an arange keeps only its first positions, so a constant applied to it may differ only
+    past them: the symbolic side makes its elements variables (`tv_ray.semantics.symbolic`), and a refutation
+    there is confirmed by a run at these dims (docs/reduction.md)."""
+    from tv_ray.plan_check import check_plan
+    if ops_of(plan, range(plan.num_ranks)) > CONCRETE_LIMIT:
+        return None
+    names = {d for graph in (plan.logical, *plan.programs.values()) for n in graph.nodes
+             if n.op is Op.ARANGE and n.dtype == "float" for k in ("start", "end", "step")
+             for d in Expr.of(n.attr[k]).free_dims}
+    dims = {**reduced, **{d: plan.dims[d] for d in names}}
+    if dims == reduced:
+        return None
+    elements = sum(math.prod(instantiate_shape(n.shape, dims)) for n in plan.logical.nodes)
+    if elements * plan.num_ranks > POSITION_LIMIT:
+        return None
+    try:
+        check_plan(plan, dims)
+    except PlanError:
+        return None
+    return dims
+
+
+def position_deviations(plan: Plan, reduced: dict[str, int], seed: int = 0) -> list[dict]:
+    """`output_deviations` in one concrete run at `position_dims` (none where there are no such dims)."""
+    dims = position_dims(plan, reduced)
+    return output_deviations(plan, [run_concrete(plan, dims, seed)[0]]) if dims is not None else []
+
+
 def derive_claims(plan: Plan, settings: Settings = Settings()) -> Derivation:
     """Steps 1–3: reduced shapes, mirrors, concrete runs, claims and output deviations; no stages yet.
     Raises CommunicationError when the plan's communication cannot complete: in the concrete runs, or, for a
@@ -186,4 +223,4 @@ def derive(plan: Plan, settings: Settings = Settings(), dropped: Iterable[tuple[
 
 
 __all__ = ["Settings", "Derivation", "derive", "derive_claims", "claims_for", "derived_claims", "output_deviations",
-           "unmirrored", "CONCRETE_LIMIT"]
+           "position_deviations", "unmirrored", "CONCRETE_LIMIT"]

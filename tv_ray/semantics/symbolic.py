@@ -39,6 +39,8 @@ from tv_ray.semantics.rules_reduce import _reduced_dims
 from tv_ray.semantics.table import Context, instantiate_attrs, instantiate_shape, numpy_dtype, rule_for
 from tv_ray.terms import ONE, ZERO, Kind, Term, app, const, exp, log, max_, postorder, pow_, substitute, sum_
 from tv_ray.terms.atom import Atom
+from tv_ray.terms.term import grid_vars
+from tv_ray.semantics.rules_tensor import _arange_length
 from tv_ray.terms.onehot import indicator
 from tv_ray.terms.routing import selected
 
@@ -198,7 +200,26 @@ def _slice_backward(node, xs, attrs, ctx):
     return out
 
 
-@register(Op.FULL, Op.FULL_LIKE, Op.ARANGE, Op.AXIS_INDEX)
+@register(Op.ARANGE)
+def _arange(node, xs, attrs, ctx):
+    """A float arange is positions used as numbers (RoPE angles): its elements are variables named by its
+    definition, since shape reduction keeps only some positions (DESIGN.md rule 4: at reduced dims a constant
+    changed at a position past them would never show). An int arange indexes; its values move elements."""
+    if node.dtype != "float":
+        return _constant(node, xs, attrs, ctx)
+    n = _arange_length(attrs["start"], attrs["end"], attrs["step"])
+    out = np.empty((n,), dtype=object)
+    out[:] = grid_vars(positions(node), (n,))
+    return out
+
+
+def positions(node: Node) -> str:
+    """The name of a float arange's element variables: its definition, in dims (so two aranges share them
+    exactly where they are the same function of the dims)."""
+    return "arange(" + ",".join(str(node.attr[k]) for k in ("start", "end", "step")) + ")"
+
+
+@register(Op.FULL, Op.FULL_LIKE, Op.AXIS_INDEX)
 def _constant(node, xs, attrs, ctx):
     shapes = [np.zeros(x.shape, dtype=numpy_dtype(node.dtype)) for x in xs]    # full_like of an int tensor: ints
     value = np.asarray(rule_for(node.op, "concrete").concrete(shapes, attrs, ctx))
@@ -693,5 +714,5 @@ def eval_symbolic(node: Node, args: list[np.ndarray], dims, ctx: Context = Conte
     return out
 
 
-__all__ = ["Choice", "choice", "select", "to_term",
+__all__ = ["Choice", "choice", "select", "to_term", "positions",
            "eval_symbolic", "group_rule", "SymbolicError", "SYMBOLIC", "lift_int", "elementwise", "as_dtype"]
