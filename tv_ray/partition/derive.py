@@ -21,8 +21,8 @@ A claim refuted as a wrong guess is dropped and the stages cut again
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 import math
+from dataclasses import dataclass, field
 from typing import Iterable
 
 import numpy as np

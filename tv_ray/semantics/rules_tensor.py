@@ -25,7 +25,7 @@ rule(Op.FULL_LIKE,
                                          dtype=numpy_dtype(a.get("dtype", dtype_name(xs[0])))))
 
 
-def _arange_length(start, end, step):
+def arange_length(start, end, step):
     if step == 0:
         raise ShapeError("arange: step is zero")
     if is_const(start) and is_const(end) and is_const(step):
@@ -34,7 +34,7 @@ def _arange_length(start, end, step):
 
 
 rule(Op.ARANGE,
-     shape=lambda shapes, a, ctx: (_arange_length(a["start"], a["end"], a["step"]),),
+     shape=lambda shapes, a, ctx: (arange_length(a["start"], a["end"], a["step"]),),
      dtype=lambda dtypes, a: a.get("dtype", "int"),
      concrete=lambda xs, a, ctx: np.arange(a["start"], a["end"], a["step"]).astype(
          numpy_dtype(a.get("dtype", "int"))))

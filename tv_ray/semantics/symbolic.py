@@ -17,6 +17,9 @@ the random-point refuter draws them one-hot.
 Non-linear functions stay uninterpreted applications (``rsqrt``, ``sigmoid``,
 ``gelu[none]``, a top-k routing mask's ``topk_mask[k]:p``) except exp and log,
 which the normaliser's guarded axioms know.
+A float arange's elements are variables named by its definition (positions
+used as numbers: shape reduction keeps only the first positions, so their
+values must not be taken as known; docs/reduction.md).
 Softmax and log-softmax use their real-number forms (no max subtraction:
 over the reals it cancels). Structural ops (views, slices, cat, chunks) reuse
 the concrete rules, which only move elements. An op without a symbolic rule
@@ -36,13 +39,13 @@ from tv_ray.errors import SymbolicError, UnknownOpError
 from tv_ray.ir.graph import Node
 from tv_ray.ir.ops import Op, registrar
 from tv_ray.semantics.rules_reduce import _reduced_dims
+from tv_ray.semantics.rules_tensor import arange_length
 from tv_ray.semantics.table import Context, instantiate_attrs, instantiate_shape, numpy_dtype, rule_for
 from tv_ray.terms import ONE, ZERO, Kind, Term, app, const, exp, log, max_, postorder, pow_, substitute, sum_
 from tv_ray.terms.atom import Atom
-from tv_ray.terms.term import grid_vars
-from tv_ray.semantics.rules_tensor import _arange_length
 from tv_ray.terms.onehot import indicator
 from tv_ray.terms.routing import selected
+from tv_ray.terms.term import grid_vars
 
 
 # ±inf (causal masks) follow the extended reals where a mask needs them — x + (−∞) = −∞ for a finite
@@ -207,7 +210,7 @@ def _arange(node, xs, attrs, ctx):
     changed at a position past them would never show). An int arange indexes; its values move elements."""
     if node.dtype != "float":
         return _constant(node, xs, attrs, ctx)
-    n = _arange_length(attrs["start"], attrs["end"], attrs["step"])
+    n = arange_length(attrs["start"], attrs["end"], attrs["step"])
     out = np.empty((n,), dtype=object)
     out[:] = grid_vars(positions(node), (n,))
     return out
