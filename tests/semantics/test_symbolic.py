@@ -70,8 +70,8 @@ def test_every_node_of_a_training_step_matches_the_concrete_rule(model):
             term = value[idx]
             if isinstance(term, Term) and lt.tensor_of(term) == tensor:
                 atoms[term.payload] = float(values[tensor][idx])
-    for node in graph.nodes:            # a float arange's elements are variables named by its definition
-        if node.op is Op.ARANGE and node.dtype == "float":
+    for node in graph.nodes:            # an arange's elements are variables named by its definition
+        if node.op is Op.ARANGE:
             for k, value in enumerate(values[node.name]):
                 atoms[Atom(positions(node), (k,))] = float(value)
     checked = 0
@@ -166,3 +166,17 @@ def test_a_double_nearest_a_root_of_a_small_rational_is_that_root():
     x = var("x")
     share = x / to_term(math.sqrt(2))
     assert prove_equal(share * share + share * share, x * x).__class__.__name__ == "Proved"
+
+
+def test_an_int_arange_indexes_as_ints_and_is_its_positions_variables_as_a_number():
+    """torchtitan's RoPE: `arange(0, dim, 2)[: dim // 2].float() / dim` — at reduced dims the arange keeps its
+    first positions, so used as a number each element is the variable of its position, as a float arange's is."""
+    arange = Node.make("a", "arange", [], {"start": 0, "end": "head_dim", "step": 2, "dtype": "int"},
+                       ["head_dim/2"], "int")
+    ints = eval_symbolic(arange, [], {"head_dim": 6})
+    assert list(ints) == [0, 2, 4] and all(isinstance(v, int) for v in ints)
+    floats = eval_symbolic(Node.make("f", "cast", ["a"], {"dtype": "float"}, ["head_dim/2"], "float"), [ints],
+                           {"head_dim": 6})
+    assert [str(t) for t in floats] == ["arange(0,head_dim,2)[0]", "arange(0,head_dim,2)[1]", "arange(0,head_dim,2)[2]"]
+    shifted = eval_symbolic(Node.make("s", "add", ["a"], {"other": 1}, ["head_dim/2"], "int"), [ints], {"head_dim": 6})
+    assert list(shifted) == [1, 3, 5]

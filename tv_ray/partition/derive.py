@@ -164,18 +164,19 @@ def output_deviations(plan: Plan, runs: list[ConcreteRun]) -> list[dict]:
 
 
 def position_dims(plan: Plan, reduced: dict[str, int]) -> dict[str, int] | None:
-    """The reduced dims with every dim that bounds a float arange (positions used as numbers: RoPE angles) at its
+    """The reduced dims with every dim that bounds an arange (positions, used as numbers in RoPE's angles) at its
     full size, where the plan holds there, is run concretely at all (`CONCRETE_LIMIT`) and its logical step
     stays under `POSITION_LIMIT` elements times ranks; None otherwise, or when no such dim is reduced.
 
     At the reduced dims an arange keeps only its first positions, so a constant applied to it may differ only
-    past them: the symbolic side makes its elements variables (`tv_ray.semantics.symbolic`), and a refutation
-    there is confirmed by a run at these dims (docs/reduction.md)."""
+    past them: the symbolic side makes them variables where they are used as numbers
+    (`tv_ray.semantics.symbolic`), and a refutation there is confirmed by a run at these dims
+    (docs/reduction.md)."""
     from tv_ray.plan_check import check_plan
     if ops_of(plan, range(plan.num_ranks)) > CONCRETE_LIMIT:
         return None
     names = {d for graph in (plan.logical, *plan.programs.values()) for n in graph.nodes
-             if n.op is Op.ARANGE and n.dtype == "float" for k in ("start", "end", "step")
+             if n.op is Op.ARANGE for k in ("start", "end", "step")
              for d in Expr.of(n.attr[k]).free_dims}
     dims = {**reduced, **{d: plan.dims[d] for d in names}}
     if dims == reduced:

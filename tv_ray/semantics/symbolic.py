@@ -77,10 +77,26 @@ def choice(base: Atom, high: int, ignore: int | None = None) -> Choice:
     return Choice(base, tuple(range(high)) + (() if ignore is None else (ignore,)))
 
 
+class Position(int):
+    """An element of an int arange: its int where it indexes (a gather, a comparison, a slice), the variable of
+    its position where it is used as a number (`to_term`: a cast to float, arithmetic with reals) — as a float
+    arange's elements are (`_arange`; docs/reduction.md). Arithmetic on ints gives plain ints."""
+
+    def __new__(cls, value: int, variable: Term | None = None):
+        self = int.__new__(cls, value)
+        self.variable = variable
+        return self
+
+    def __reduce__(self):
+        return Position, (int(self), self.variable)
+
+
 def to_term(x) -> Term:
-    """A float element as a Term (ints, bools and Choices are cast exactly)."""
+    """A float element as a Term (ints, bools and Choices are cast exactly; a `Position` is its variable)."""
     if isinstance(x, Term):
         return x
+    if isinstance(x, Position):
+        return x.variable
     if isinstance(x, Choice):
         return select(x, [const(int(v)) for v in x.table])
     if isinstance(x, (bool, np.bool_)):
@@ -207,18 +223,20 @@ def _slice_backward(node, xs, attrs, ctx):
 def _arange(node, xs, attrs, ctx):
     """A float arange is positions used as numbers (RoPE angles): its elements are variables named by its
     definition, since shape reduction keeps only some positions (DESIGN.md rule 4: at reduced dims a constant
-    changed at a position past them would never show). An int arange indexes; its values move elements."""
-    if node.dtype != "float":
-        return _constant(node, xs, attrs, ctx)
+    changed at a position past them would never show). An int arange's elements index, as `Position`s: the
+    same variables where they are used as numbers."""
     n = arange_length(attrs["start"], attrs["end"], attrs["step"])
     out = np.empty((n,), dtype=object)
     out[:] = grid_vars(positions(node), (n,))
+    if node.dtype != "float":
+        values = range(attrs["start"], attrs["start"] + n * attrs["step"], attrs["step"])
+        out[:] = [Position(v, variable) for v, variable in zip(values, out)]
     return out
 
 
 def positions(node: Node) -> str:
-    """The name of a float arange's element variables: its definition, in dims (so two aranges share them
-    exactly where they are the same function of the dims)."""
+    """The name of an arange's element variables: its definition, in dims (so two aranges share them exactly
+    where they are the same function of the dims)."""
     return "arange(" + ",".join(str(node.attr[k]) for k in ("start", "end", "step")) + ")"
 
 
@@ -717,5 +735,5 @@ def eval_symbolic(node: Node, args: list[np.ndarray], dims, ctx: Context = Conte
     return out
 
 
-__all__ = ["Choice", "choice", "select", "to_term", "positions",
+__all__ = ["Choice", "Position", "choice", "select", "to_term", "positions",
            "eval_symbolic", "group_rule", "SymbolicError", "SYMBOLIC", "lift_int", "elementwise", "as_dtype"]
