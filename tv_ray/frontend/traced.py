@@ -76,6 +76,7 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 import traceback
 from contextlib import contextmanager
 from pathlib import Path
@@ -151,8 +152,8 @@ def _run_ranks(script: str, world_size: int, out: str) -> None:
     if launcher.exitcode == 0:
         return
     errors = {r: Path(out, f"rank{r}.error") for r in range(world_size) if Path(out, f"rank{r}.error").exists()}
-    if not errors:
-        why = Path(out, "launcher.error")
+    why = Path(out, "launcher.error")
+    if not errors or why.exists():
         raise TraceFailed(f"the launcher of {world_size} ranks failed:\n"
                           f"{why.read_text().rstrip() if why.exists() else f'exit code {launcher.exitcode}'}")
     rank = min(errors, key=lambda r: errors[r].stat().st_mtime_ns)    # the others often fail after it, at a
@@ -192,14 +193,30 @@ def _launch(world_size: int, script: str, port: int, out: str) -> None:
             rank = running.pop(sentinel)
             rank.join()
             if rank.exitcode != 0:
-                for other in running.values():
-                    other.kill()
-                number = ranks.index(rank)
-                if not Path(out, f"rank{number}.error").exists():     # killed (a signal) or ended by C++ code
-                    Path(out, "launcher.error").write_text(f"rank {number} ended with exit code {rank.exitcode} "
-                                                           f"and left no traceback")
+                _blame(ranks, rank, list(running.values()), out)
                 raise SystemExit(1)
 
+
+def _blame(ranks: list, first, running: list, out: str) -> None:
+    """The others killed once `first` has failed; the failure `launcher.error` names when it is not a rank's
+    traceback: a rank killed from outside (SIGKILL: the OOM killer, a person) — its peers fail at the collective
+    it left, often before the launcher sees it end, so the ranks ending within `SETTLE_S` are looked at too —,
+    else `first` if it left none (a signal, or C++ code ending the process)."""
+    deadline = time.monotonic() + SETTLE_S
+    for other in running:
+        other.join(timeout=max(0.0, deadline - time.monotonic()))
+    ended = [first] + [other for other in running if other.exitcode is not None]     # before any is killed here
+    for other in running:
+        other.kill()
+    untold = [r for r in ended if not Path(out, f"rank{ranks.index(r)}.error").exists()]
+    killed = [r for r in untold if r.exitcode == -signal.SIGKILL]
+    silent = killed[0] if killed else first if first in untold else None
+    if silent is not None:
+        Path(out, "launcher.error").write_text(f"rank {ranks.index(silent)} ended with exit code {silent.exitcode} "
+                                               f"and left no traceback")
+
+
+SETTLE_S = 2.0      # how long the other ranks get to end on their own once one has failed (then they are killed)
 
 # a trace's launcher is forked from this server: it has imported torch and tv_ray once, for every trace of the process
 _LAUNCHERS = multiprocessing.get_context("forkserver")
