@@ -17,9 +17,10 @@ the random-point refuter draws them one-hot.
 Non-linear functions stay uninterpreted applications (``rsqrt``, ``sigmoid``,
 ``gelu[none]``, a top-k routing mask's ``topk_mask[k]:p``) except exp and log,
 which the normaliser's guarded axioms know.
-A float arange's elements are variables named by its definition (positions
-used as numbers: shape reduction keeps only the first positions, so their
-values must not be taken as known; docs/reduction.md).
+An arange's elements are variables named by its definition where they are
+used as numbers (a float arange; an int one's `Position`s once cast or mixed
+with reals): shape reduction keeps only the first positions, so their values
+must not be taken as known (docs/reduction.md).
 Softmax and log-softmax use their real-number forms (no max subtraction:
 over the reals it cancels). Structural ops (views, slices, cat, chunks) reuse
 the concrete rules, which only move elements. An op without a symbolic rule
