@@ -159,7 +159,7 @@ def c2_replicated_weight_counted_tp_times() -> Case:
     twin = _sp()
     local = _norm_sum(twin, "layers.0.attn_norm.weight", reduced=False)
     summed = _like(local, f"{local.name}~tp", "all_reduce", [local.name], {"axes": ["tp"], "reduce": "sum"})
-    return Case(inserted_after(twin, local, summed), twin, "optim", "", "optim.layers.0.attn.v_proj.weight.norm_sq_acc",
+    return Case(inserted_after(twin, local, summed), twin, "optim", "", "optim.layers.0.attn_norm.weight.norm_sq_acc",
                 (f"{summed.name} sums {local.name} over tp", "the reduction over tp is one too many"))
 
 
@@ -169,7 +169,7 @@ def c10_clip_norm_from_partial_sums() -> Case:
     acc = twin.programs["main"].value("optim.layers.0.attn.q_proj.weight.norm_sq_acc")
     local = _norm_sum(twin, "layers.0.attn.q_proj.weight", reduced=False)
     faulty = changed(twin, _set_args(acc, acc.args[0], local.name))
-    return Case(faulty, twin, "optim", "", "optim.layers.0.attn.o_proj.weight.norm_sq_acc",
+    return Case(faulty, twin, "optim", "", "optim.layers.0.attn.q_proj.weight.norm_sq_acc",
                 (f"it reads {local.name} on ranks 0, 1, a partial sum over tp never reduced",))
 
 
@@ -376,14 +376,14 @@ def c6_aux_loss_gradient_dropped() -> Case:
 
 def b26_global_norm_without_other_ep_shards() -> Case:
     """With ep and tp, the experts' squared gradient sums reduced over tp only, as the dense ones are: the norm
-    leaves out the experts the other ep rank holds. Refuted symbolically at the accumulation reading the sums."""
+    leaves out the experts the other ep rank holds. Located at the first of those sums: a partial sum over ep."""
     twin = correct("deepseek-tiny", "dp=2,ep=2,tp=2", "adamw", 1.0)
     faulty = twin
     for reduced in _nodes(twin, lambda n: n.op == Op.ALL_REDUCE and ".mlp.experts.w_" in n.name
                           and "grad_sq_sum" in n.name):
         faulty = reduced_over(faulty, reduced, ["tp"])
-    return Case(faulty, twin, "optim", "", "optim.layers.1.mlp.shared_experts.up_proj.weight.norm_sq_acc",
-                ("it reads optim.layers.1.mlp.experts.w_down.grad_sq_sum", "never reduced"))
+    return Case(faulty, twin, "optim", "", "optim.layers.1.mlp.experts.w_gate.grad_sq_sum~1",
+                ("partial sum over ep", "a reduction (all-reduce / reduce-scatter) over ep is missing"))
 
 
 def c1_rotary_key_gradient_not_summed_over_tp() -> Case:

@@ -73,8 +73,7 @@ def verify_plan(plan: Plan, *, budget: Budget = Budget(), executor: Executor | N
 
     A refuted claim inferred by value held in every concrete run, so it was
     a wrong guess — values can agree at every sampled point by structure,
-    like a max that always picks the same column, or a clipping coefficient
-    that is 1 in every run — so it is dropped and the stages around it are
+    like a max that always picks the same column — so it is dropped and the stages around it are
     cut again, up to `REFINE_ROUNDS` times. A refuted claim stated by the
     plan's intermediate lineage is dropped too, unless some program output is
     wrong in the concrete runs: then the plan has a bug, and the first stated

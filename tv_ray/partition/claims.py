@@ -49,6 +49,7 @@ RTOL = 1e-9
 MOVES = VIEWS | COMMUNICATION | {Op.CLONE, Op.CAT, Op.CAST}     # ops that move values, computing none
 ATOL = 1e-12
 INPUT_SCALE = 0.25
+CLAMP_SCALES = (0.5, 1.0, 2.0, 4.0, 8.0)    # the input scales `clamping_scale` tries, in turn
 
 
 @dataclass(frozen=True)
@@ -450,26 +451,56 @@ def digit_runs(shape: tuple[int, ...], high: int) -> int:
     return 1 + needed + (n > high)
 
 
-def run_concrete(plan: Plan, dims: dict[str, int], seed: int = 0, digit: int | None = None,
-                 mask: bool = False) -> tuple[ConcreteRun, dict[tuple[int, str], Claim]]:
-    """Run the logical graph and every rank on one random point, keeping all values (int data from
-    `token_data`, and with `mask` a quarter of a masked target's elements ignored; small float weights, so no
+def logical_inputs(plan: Plan, dims: dict[str, int], seed: int = 0, digit: int | None = None, mask: bool = False,
+                   scale: float = INPUT_SCALE) -> dict[str, np.ndarray]:
+    """One random point of the logical step's inputs: int data from `token_data` (with `mask` a quarter of a
+    masked target's elements ignored), floats drawn by `draw_inputs` times `scale` (small by default, so no
     softmax saturates and no gradient vanishes to 1e-19)."""
     rng = np.random.default_rng(seed)
     inputs = draw_inputs(plan.logical, dims, rng)
     for spec in plan.logical.inputs:
         if spec.dtype == "float" and not spec.positive and spec.role != "step":
-            inputs[spec.name] = inputs[spec.name] * INPUT_SCALE
+            inputs[spec.name] = inputs[spec.name] * scale
         if spec.dtype == "int" and spec.high is not None and spec.role != "step":
             high = spec.high.eval(dims) if hasattr(spec.high, "eval") else int(spec.high)
             inputs[spec.name] = token_data(inputs[spec.name].shape, high, rng, digit)
             if mask and spec.ignore is not None:
                 inputs[spec.name] = masked(inputs[spec.name], spec.ignore, rng)
-    logical = run_graph(plan.logical, dims, inputs, keep=True)
+    return inputs
+
+
+def run_concrete(plan: Plan, dims: dict[str, int], seed: int = 0, digit: int | None = None,
+                 mask: bool = False, scale: float = INPUT_SCALE) -> tuple[ConcreteRun, dict[tuple[int, str], Claim]]:
+    """Run the logical graph and every rank on one random point (`logical_inputs`), keeping all values."""
+    logical = run_graph(plan.logical, dims, logical_inputs(plan, dims, seed, digit, mask, scale), keep=True)
     in_claims = input_claims(plan, {name: value.shape for name, value in logical.items()})
     scheduler = Scheduler(plan, dims, rank_inputs(plan, logical), keep=True)
     scheduler.run()
     return ConcreteRun(dims, logical, [r.env for r in scheduler.ranks], scheduler.order), in_claims
+
+
+def clamping_scale(plan: Plan, dims: dict[str, int], seed: int) -> float | None:
+    """The input scale (of `CLAMP_SCALES`, the smallest of those that do it for the most clamps) at which each of
+    the logical step's clamps passes some element through — where one clamps every element at the small default
+    inputs: gradient clipping's coefficient min(1, max_norm / norm) is 1 while the gradients are small, so
+    nothing before it shows at the outputs. None where the step has no clamp, or each passes something already,
+    or none does at any of these scales."""
+    clamps = [node for node in plan.logical.nodes if node.op is Op.CLAMP]
+
+    def passing(scale: float) -> int:
+        values = run_graph(plan.logical, dims, logical_inputs(plan, dims, seed, scale=scale), keep=True)
+        return sum(bool(((values[n.args[0]] < n.attr.get("max", np.inf)) &
+                         (values[n.args[0]] > n.attr.get("min", -np.inf))).any()) for n in clamps)
+
+    if not clamps or (least := passing(INPUT_SCALE)) == len(clamps):
+        return None
+    best, most = None, least
+    for scale in CLAMP_SCALES:
+        if (n := passing(scale)) > most:
+            best, most = scale, n
+        if most == len(clamps):
+            break
+    return best
 
 
 def group_value(run: ConcreteRun, members: tuple[int, ...], tensor: str) -> np.ndarray | None:
@@ -523,7 +554,10 @@ def runs_for(plan: Plan, dims: dict[str, int], seed: int = 0) -> tuple[list[Conc
     """One random run and enough digit runs (`token_data`) that every two elements of int data differ in one of
     them: the elements numbered, the digits of the blocks' numbers, and one more where a row holds more than one
     block; where targets are masked, one more random run with a quarter of them ignored (a fault that shows only
-    on ignored targets is confirmed there, not left unknown)."""
+    on ignored targets is confirmed there, not left unknown); where a clamp of the step clamps every element at
+    the small inputs (gradient clipping's coefficient), one more at larger inputs where it passes them
+    (`clamping_scale`: a fault on the clipping path changes the outputs there, so it is confirmed, not left
+    unknown)."""
     first, claims = run_concrete(plan, dims, seed)
     digits = 0
     for spec in plan.logical.inputs:
@@ -533,6 +567,8 @@ def runs_for(plan: Plan, dims: dict[str, int], seed: int = 0) -> tuple[list[Conc
     runs = [first] + [run_concrete(plan, dims, seed + 1 + k, digit=k)[0] for k in range(digits)]
     if any(spec.ignore is not None for spec in plan.logical.inputs):
         runs.append(run_concrete(plan, dims, seed + 1 + digits, mask=True)[0])
+    if (scale := clamping_scale(plan, dims, seed + 2 + digits)) is not None:
+        runs.append(run_concrete(plan, dims, seed + 2 + digits, scale=scale)[0])
     return runs, claims
 
 
