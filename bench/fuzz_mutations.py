@@ -17,7 +17,7 @@ Outcomes: `refuted` where it deviates (right), `proved` where it does not (right
 `UNSOUND` — proved while the runs deviate —, `missed` (unknown while the runs deviate), and the two a person
 looks at: refuted while the runs agree (an effect below the tolerance, or a false alarm) and unknown while they
 agree; and ERROR, the verifier crashed (a bug of ours, the row names where). Rows go to `--out` every ten mutations
-and at the end; the exit code is 1 on any UNSOUND or ERROR row.
+and at the end, each with the commit it measures (`tree`); the exit code is 1 on any UNSOUND or ERROR row.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ import itertools
 import json
 import random
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -188,6 +189,8 @@ def main(argv=None) -> int:
         print(json.dumps(total))
         return 0
     rng = random.Random(args.seed)
+    tree = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip() or "unknown"       # the commit the rows measure
     bases = {name: correct(model, spec, optim, clip, **flags) for name, (model, spec, optim, clip, flags)
              in BASES.items()}
     rows, malformed, started = [], collections.Counter(), time.perf_counter()
@@ -208,7 +211,7 @@ def main(argv=None) -> int:
             status, headline = result.status, result.report.get("headline", "")
         except Exception as err:      # noqa: BLE001 — a crash is a finding: the row says where
             status, headline = "ERROR", f"{type(err).__name__}: {err}"[:300] + " " + _where(err)
-        rows.append({"base": base, "kind": mutation.kind, "what": mutation.what, "deviates": deviates,
+        rows.append({"tree": tree, "base": base, "kind": mutation.kind, "what": mutation.what, "deviates": deviates,
                      "status": status, "verdict": verdict(deviates, status),
                      "seconds": round(time.perf_counter() - start, 2), "headline": headline[:400]})
         print(json.dumps({k: rows[-1][k] for k in ("base", "what", "verdict", "seconds")}), flush=True)
@@ -222,6 +225,7 @@ def main(argv=None) -> int:
 def write(args, rows: list[dict], malformed: collections.Counter, seconds: float) -> dict:
     refuted = [r["seconds"] for r in rows if r["status"] == "refuted"]
     total = {"mutations": len(rows), "seed": args.seed, "malformed_redrawn": dict(malformed),
+             "trees": dict(collections.Counter(r.get("tree", "unknown") for r in rows)),
              "verdicts": dict(collections.Counter(r["verdict"] for r in rows)),
              "by_kind": {k: dict(collections.Counter(r["verdict"] for r in rows if r["kind"] == k)) for k in KINDS},
              "refutation_s": {"median": statistics.median(refuted), "p90": sorted(refuted)[int(0.9 * len(refuted))],
