@@ -11,8 +11,10 @@ value rounded well below the working precision).
 
 A mismatch is a counterexample at once: exact for rational values, beyond a
 relative tolerance of 10^-(digits/2) otherwise. Agreement at every point is
-only Unknown — random points never prove. Points where a denominator is 0 or
-a log argument is ≤ 0 are resampled.
+only Unknown — random points never prove. Points where a denominator is 0,
+a log argument is ≤ 0 or an exp argument beyond ±200 are resampled, smaller
+after every few of them (a whole layer's backward in one formula leaves exp's
+domain at most points of size 24).
 
     >>> from tv_ray.terms import var, add, mul, const
     >>> x, y = var("x"), var("y")
@@ -35,6 +37,7 @@ from tv_ray.terms.term import Kind, Term, postorder
 DEFAULT_POINTS = 4
 DEFAULT_DIGITS = 60
 EXP_LIMIT = 200  # |x| above which exp(x) is not evaluated (the point is resampled)
+SHRINKS = 5     # how many times `refute` draws its points 4 times smaller after `points` invalid ones
 
 
 class _Evaluator:
@@ -139,9 +142,11 @@ class _Evaluator:
         return max(self._mpf(v) for v in vs)
 
 
-def _random_point(rng: random.Random, names: list) -> dict:
-    """Random rationals; one-hot indicators of integer data get a consistent 0/1 pattern."""
-    point = {n: Fraction(rng.randint(-24, 24), rng.randint(1, 7)) for n in names if not onehot.is_indicator(n)}
+def _random_point(rng: random.Random, names: list, shrink: int = 1) -> dict:
+    """Random rationals (at most 24 / `shrink` in size); one-hot indicators of integer data get a consistent 0/1
+    pattern."""
+    point = {n: Fraction(rng.randint(-24, 24), rng.randint(1, 7) * shrink) for n in names
+             if not onehot.is_indicator(n)}
     point.update(onehot.draw([n for n in names if onehot.is_indicator(n)], rng))
     return point
 
@@ -170,7 +175,8 @@ def refute(lhs: Term, rhs: Term, points: int = DEFAULT_POINTS, seed: int = 0, di
     skipped: list[str] = []
     while valid < points and tries < max_tries:
         tries += 1
-        point = _random_point(rng, names)
+        # after every `points` invalid samples the next are drawn 4 times smaller (down to 1/1024)
+        point = _random_point(rng, names, shrink=4 ** min(len(skipped) // points, SHRINKS))
         try:
             lv, rv = ev.evaluate((lhs, rhs), point)
         except OutsideDomain as e:
