@@ -130,12 +130,14 @@ def _inside(outcome: Outcome, ob: Obligation) -> list[Node]:
 def _suspect(outcome: Outcome, ob: Obligation) -> dict | None:
     """The earliest op inside the stage (unclaimed, between the stage's inputs and its tensor) that says which
     logical op it realises: where the value first left the logical one. (Ops computed from token data alone
-    are exact and never claimed: they are not suspects.)"""
+    are exact and never claimed: they are not suspects; positions are numbers a plan computes with — RoPE's
+    frequencies from an arange —, so what is made from them is.)"""
     rank = ob.ranks[0]
     program = outcome.plan.programs[outcome.plan.program_of(rank)]
     data_only: dict[str, bool] = {}
     for node in program.nodes:          # computed from token data (and constants) alone
-        data_only[node.name] = all(data_only.get(a, program.dtype_of(a) != "float") for a in node.args)
+        data_only[node.name] = node.op is not Op.ARANGE and \
+            all(data_only.get(a, program.dtype_of(a) != "float") for a in node.args)
     realising = [n for n in _inside(outcome, ob) if n.name != ob.tensor and n.get_meta("realises")
                  and not data_only[n.name]]
     if not realising:
@@ -264,6 +266,9 @@ def diagnose(outcome: Outcome, reference: dict | None = None) -> dict:
     if extra:
         stage["extra_reduction"] = extra
     why = " — ".join(filter(None, [stage.get("factor") or (unreduced or {}).get("text"), (extra or {}).get("text")]))
+    if not why and stage.get("suspect"):          # nothing says more: the earliest op the stage computes
+        s = stage["suspect"]
+        why = f"first op inside the stage: {s['program']}.{s['op']} = {s['kind']} (realises {s['realises']})"
     report["headline"] = (f"first wrong tensor: {where}, logical op {ob.realises or ob.claim.logical}, "
                           f"rank{'s' if len(ob.ranks) > 1 else ''} {ranks}{mb}: {ob.program}.{ob.tensor} "
                           f"should equal {stage['logical']}" + (f" — {why}" if why else ""))

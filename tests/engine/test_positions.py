@@ -24,6 +24,8 @@ def test_a_rope_constant_wrong_only_past_the_first_position_is_refuted(plan):
     # the first claimed tensor after the divide (the RoPE frequencies), its counterexample a position's value
     assert (stage["tensor"], stage["phase"], stage["reads"]) == ("unsqueeze_1", "fwd", ["r0/arange"])
     assert list(stage["verdict"]["point"]) == ["arange(0,head_dim,2)[0]"]
+    assert (stage["suspect"]["op"], stage["suspect"]["realises"]) == ("div", "div")     # the op changed, named
+    assert result.report["headline"].endswith("first op inside the stage: main.div = div (realises div)")
     assert result.report["outputs_wrong_count"] > 0      # confirmed by the run at full head_dim
     assert api.verify(plan, engine="local", progress=False).status == "proved"
 
