@@ -192,9 +192,14 @@ class Outcome:
         return dict(sorted(c.items()))
 
     def first_refuted(self) -> Obligation | None:
-        """The refuted stage first in dataflow (stage order)."""
+        """The refuted stage first in dataflow (stage order) — of the same op refuted on several ranks (every
+        data-parallel replica's), the one on the lowest rank."""
         bad = [o for o in self.partition.obligations if self.verdict_of(o).verdict is Status.REFUTED]
-        return min(bad, key=lambda o: o.position) if bad else None
+        if not bad:
+            return None
+        first = min(bad, key=lambda o: o.position)
+        return min((o for o in bad if (o.program, o.tensor, o.mb) == (first.program, first.tensor, first.mb)),
+                   key=lambda o: (o.ranks, o.position))
 
 
 __all__ = ["Status", "Verdict", "Outcome", "Replay", "replay_stage", "replays", "REPLAY_ATOL", "REPLAY_RTOL"]

@@ -9,7 +9,9 @@ unique keys) and by the independent checker (which re-derives a certificate's
 stages from its plan and compares). In order:
 
 1. shape reduction (`tv_ray.reduce`);
-2. data-parallel mirrors (`tv_ray.partition.symmetry`);
+2. data-parallel mirrors (`tv_ray.partition.symmetry`), none where a mirrored
+   rank's outputs differ from its representative's in the concrete runs
+   (`diverging_mirror`);
 3. claims: the plan's boundary and stated lineage, plus claims matched by
    value in concrete runs (plans up to `CONCRETE_LIMIT` op executions;
    a larger plan's communication order is run without values instead);
@@ -128,11 +130,35 @@ def claims_for(plan: Plan, dims: dict[str, int], seed: int = 0, ranks: np.ndarra
     return runs, Claims(infer_claims(plan, runs, fixed, eligible, ranks, blocks))
 
 
-def derived_claims(plan: Plan, dims: dict[str, int], found: Mirrors | None, symmetry: bool = True, seed: int = 0):
+def derived_claims(plan: Plan, dims: dict[str, int], found: Mirrors | None, symmetry: bool = True, seed: int = 0,
+                   runs: list[ConcreteRun] | None = None):
     """`claims_for` as a derivation makes them: on the ranks not mirrored (`found`), microbatch k's ops offered
     microbatch 0's claims moved where the plan has microbatch symmetry."""
     moves = microbatch_moves(plan, dims, found, symmetry)
-    return claims_for(plan, dims, seed, unmirrored(plan, found), blocks=moves.blocks if moves else None)
+    return claims_for(plan, dims, seed, unmirrored(plan, found), runs, blocks=moves.blocks if moves else None)
+
+
+def diverging_mirror(plan: Plan, runs: list[ConcreteRun], found: Mirrors) -> str:
+    """Why the mirrors cannot stand: a mirrored rank's program output that differs in a concrete run from its
+    representative's where both are claimed as the same logical slice (a replicated parameter, its optimizer
+    state) — a data-parallel gradient never reduced leaves each replica its own. Generation with the mirrors
+    would step the whole program to find that (twice: stood in for, then stepped) before running every rank
+    in full; '' when every such pair agrees."""
+    if not runs:
+        return ""
+    claims = output_claims(plan, {name: value.shape for name, value in runs[0].logical.items()})
+    for (rank, tensor), claim in claims.items():
+        rep = found.rep.get(rank)
+        other = claims.get((rep, tensor))
+        if other is None or claim.partial or (claim.logical, claim.offsets, claim.shape, claim.scale) != \
+                (other.logical, other.offsets, other.shape, other.scale):
+            continue
+        for run in runs:
+            a, b = run.ranks[rank].get(tensor), run.ranks[rep].get(tensor)
+            if a is not None and b is not None and (dev := max_abs_deviation(a, b)) > TOL:
+                return (f"{plan.describe(rank)} output {tensor} differs from its representative rank {rep}'s by "
+                        f"{dev:.3g} in a concrete run")
+    return ""
 
 
 def unmirrored(plan: Plan, found: Mirrors | None) -> np.ndarray | None:
@@ -205,7 +231,11 @@ def derive_claims(plan: Plan, settings: Settings = Settings()) -> Derivation:
     completes)."""
     reduction = reduce_plan(plan)
     found, notes = find_mirrors(plan, reduction.reduced, settings.symmetry)
-    runs, claims = derived_claims(plan, reduction.reduced, found, settings.symmetry, settings.seed)
+    runs = runs_for(plan, reduction.reduced, settings.seed)[0] \
+        if found is not None and ops_of(plan, range(plan.num_ranks)) <= CONCRETE_LIMIT else None
+    if found is not None and (why := diverging_mirror(plan, runs, found)):
+        found, notes = None, [f"symmetry: {why}; every rank run in full"]
+    runs, claims = derived_claims(plan, reduction.reduced, found, settings.symmetry, settings.seed, runs)
     if not runs:
         check_order(plan, reduction.reduced)
     return Derivation(plan, settings, reduction, found, notes, runs, claims, output_deviations(plan, runs),
@@ -223,5 +253,5 @@ def derive(plan: Plan, settings: Settings = Settings(), dropped: Iterable[tuple[
     return derivation
 
 
-__all__ = ["Settings", "Derivation", "derive", "derive_claims", "claims_for", "derived_claims", "output_deviations",
-           "position_deviations", "unmirrored", "CONCRETE_LIMIT"]
+__all__ = ["Settings", "Derivation", "derive", "derive_claims", "claims_for", "derived_claims", "diverging_mirror",
+           "output_deviations", "position_deviations", "unmirrored", "CONCRETE_LIMIT"]
