@@ -1,13 +1,13 @@
 """Faults on the gradient-clipping path: at the concrete runs' small inputs the gradient norm stays under
 max_norm and the clip coefficient is 1, so nothing before it shows at the outputs; one more run, at inputs where
-the coefficient is below 1 (`clamping_scale`), confirms them (found by the mutation fuzz: an eps change was
+the coefficient is below 1 (`clamping_point`), confirms them (found by the mutation fuzz: an eps change was
 left unknown, a twice-reduced squared sum was refuted only after four rounds of dropped claims)."""
 import pytest
 
 from tests.engine.bugs import changed, correct, inserted_after
 from tests.engine.mutants import _like, _set_attrs
 from tv_ray import api
-from tv_ray.partition.claims import INPUT_SCALE, clamping_scale, run_concrete
+from tv_ray.partition.claims import INPUT_SCALE, clamping_point, run_concrete
 from tv_ray.reduce import reduce_plan
 
 
@@ -22,12 +22,15 @@ def _verify(plan):
 
 def test_the_clipping_run_is_one_where_the_coefficient_is_below_one(plan):
     dims = reduce_plan(plan).reduced
-    assert run_concrete(plan, dims, 7)[0].logical["optim.clip_coef"] == 1.0      # the default inputs: never clipped
-    scale = clamping_scale(plan, dims, 7)
-    assert scale is not None and scale > INPUT_SCALE
-    assert run_concrete(plan, dims, 7, scale=scale)[0].logical["optim.clip_coef"] < 1.0
+    default = run_concrete(plan, dims, 7)[0].logical
+    assert default["optim.clip_coef"] == 1.0      # the default inputs: never clipped
+    scale, logical = clamping_point(plan, dims, 7, default)
+    assert scale > INPUT_SCALE and logical["optim.clip_coef"] < 1.0
+    clipped = run_concrete(plan, dims, logical=logical)[0]      # the ranks run on the point the probe found
+    assert clipped.logical is logical and clipped.ranks[0]["optim.clip_coef"] == logical["optim.clip_coef"]
     unclipped = correct("llama3-tiny", "dp=2,tp=2,mb=2", "adamw", None, sp=True, zero=1)
-    assert clamping_scale(unclipped, reduce_plan(unclipped).reduced, 7) is None        # no clamp: no such run
+    dims = reduce_plan(unclipped).reduced
+    assert clamping_point(unclipped, dims, 7, run_concrete(unclipped, dims, 7)[0].logical) is None  # no clamp
 
 
 def test_a_wrong_clipping_eps_is_refuted_at_the_changed_add(plan):

@@ -49,7 +49,7 @@ RTOL = 1e-9
 MOVES = VIEWS | COMMUNICATION | {Op.CLONE, Op.CAT, Op.CAST}     # ops that move values, computing none
 ATOL = 1e-12
 INPUT_SCALE = 0.25
-CLAMP_SCALES = (0.5, 1.0, 2.0, 4.0, 8.0)    # the input scales `clamping_scale` tries, in turn
+CLAMP_SCALES = (0.5, 1.0, 2.0, 4.0, 8.0)    # the input scales `clamping_point` tries, in turn
 
 
 @dataclass(frozen=True)
@@ -470,35 +470,42 @@ def logical_inputs(plan: Plan, dims: dict[str, int], seed: int = 0, digit: int |
 
 
 def run_concrete(plan: Plan, dims: dict[str, int], seed: int = 0, digit: int | None = None,
-                 mask: bool = False, scale: float = INPUT_SCALE) -> tuple[ConcreteRun, dict[tuple[int, str], Claim]]:
-    """Run the logical graph and every rank on one random point (`logical_inputs`), keeping all values."""
-    logical = run_graph(plan.logical, dims, logical_inputs(plan, dims, seed, digit, mask, scale), keep=True)
+                 mask: bool = False, scale: float = INPUT_SCALE,
+                 logical: dict[str, np.ndarray] | None = None) -> tuple[ConcreteRun, dict[tuple[int, str], Claim]]:
+    """Run the logical graph and every rank on one random point (`logical_inputs`), keeping all values; with
+    `logical`, the logical graph's values at a point already run (the ranks take their inputs from them)."""
+    if logical is None:
+        logical = run_graph(plan.logical, dims, logical_inputs(plan, dims, seed, digit, mask, scale), keep=True)
     in_claims = input_claims(plan, {name: value.shape for name, value in logical.items()})
     scheduler = Scheduler(plan, dims, rank_inputs(plan, logical), keep=True)
     scheduler.run()
     return ConcreteRun(dims, logical, [r.env for r in scheduler.ranks], scheduler.order), in_claims
 
 
-def clamping_scale(plan: Plan, dims: dict[str, int], seed: int) -> float | None:
+def clamps_passing(plan: Plan, values: dict[str, np.ndarray]) -> int:
+    """How many of the logical step's clamps pass some element through at these logical values."""
+    return sum(bool(((values[n.args[0]] < n.attr.get("max", np.inf)) &
+                     (values[n.args[0]] > n.attr.get("min", -np.inf))).any())
+               for n in plan.logical.nodes if n.op is Op.CLAMP)
+
+
+def clamping_point(plan: Plan, dims: dict[str, int], seed: int,
+                   default: dict[str, np.ndarray]) -> tuple[float, dict[str, np.ndarray]] | None:
     """The input scale (of `CLAMP_SCALES`, the smallest of those that do it for the most clamps) at which each of
-    the logical step's clamps passes some element through — where one clamps every element at the small default
-    inputs: gradient clipping's coefficient min(1, max_norm / norm) is 1 while the gradients are small, so
-    nothing before it shows at the outputs. None where the step has no clamp, or each passes something already,
-    or none does at any of these scales."""
-    clamps = [node for node in plan.logical.nodes if node.op is Op.CLAMP]
-
-    def passing(scale: float) -> int:
-        values = run_graph(plan.logical, dims, logical_inputs(plan, dims, seed, scale=scale), keep=True)
-        return sum(bool(((values[n.args[0]] < n.attr.get("max", np.inf)) &
-                         (values[n.args[0]] > n.attr.get("min", -np.inf))).any()) for n in clamps)
-
-    if not clamps or (least := passing(INPUT_SCALE)) == len(clamps):
+    the logical step's clamps passes some element through, with the logical values there (seed `seed`) — where
+    one clamps every element at the small default inputs (`default`: the logical values of a run made there):
+    gradient clipping's coefficient min(1, max_norm / norm) is 1 while the gradients are small, so nothing before
+    it shows at the outputs. None where the step has no clamp, or each passes something already, or none does at
+    any of these scales."""
+    clamps = sum(n.op is Op.CLAMP for n in plan.logical.nodes)
+    if not clamps or (most := clamps_passing(plan, default)) == clamps:
         return None
-    best, most = None, least
+    best = None
     for scale in CLAMP_SCALES:
-        if (n := passing(scale)) > most:
-            best, most = scale, n
-        if most == len(clamps):
+        values = run_graph(plan.logical, dims, logical_inputs(plan, dims, seed, scale=scale), keep=True)
+        if (n := clamps_passing(plan, values)) > most:
+            best, most = (scale, values), n
+        if most == clamps:
             break
     return best
 
@@ -556,7 +563,7 @@ def runs_for(plan: Plan, dims: dict[str, int], seed: int = 0) -> tuple[list[Conc
     block; where targets are masked, one more random run with a quarter of them ignored (a fault that shows only
     on ignored targets is confirmed there, not left unknown); where a clamp of the step clamps every element at
     the small inputs (gradient clipping's coefficient), one more at larger inputs where it passes them
-    (`clamping_scale`: a fault on the clipping path changes the outputs there, so it is confirmed, not left
+    (`clamping_point`: a fault on the clipping path changes the outputs there, so it is confirmed, not left
     unknown)."""
     first, claims = run_concrete(plan, dims, seed)
     digits = 0
@@ -567,8 +574,8 @@ def runs_for(plan: Plan, dims: dict[str, int], seed: int = 0) -> tuple[list[Conc
     runs = [first] + [run_concrete(plan, dims, seed + 1 + k, digit=k)[0] for k in range(digits)]
     if any(spec.ignore is not None for spec in plan.logical.inputs):
         runs.append(run_concrete(plan, dims, seed + 1 + digits, mask=True)[0])
-    if (scale := clamping_scale(plan, dims, seed + 2 + digits)) is not None:
-        runs.append(run_concrete(plan, dims, seed + 2 + digits, scale=scale)[0])
+    if (clamping := clamping_point(plan, dims, seed + 2 + digits, first.logical)) is not None:
+        runs.append(run_concrete(plan, dims, logical=clamping[1])[0])
     return runs, claims
 
 
