@@ -142,20 +142,26 @@ def _is_square(n: int) -> bool:
 def select(c: Choice, values: Sequence[Term]) -> Term:
     """The float that is values[v] when c's data element is v: Σᵥ δᵥ·values[v], each values[v] taken where the element
     is v — its own indicators of that element made 0 or 1 (δᵥ·X = δᵥ·X|element=v), so that a choice made inside
-    another on the same element (a masked gather, a where on a token's range) gives no product of its indicators."""
+    another on the same element (a masked gather, a where on a token's range) gives no product of its indicators.
+    Each distinct value is searched for those indicators once (a where has two values over n choices)."""
     first = values[0]
     if all(v is first for v in values):
         return first
-    n = len(values)
-    return sum_([indicator(c.base, v, n) * _at_value(values[v], c.base, v, n) for v in range(n)])
+    n, found = len(values), {}
+    out = []
+    for v, term in enumerate(values):
+        if term not in found:
+            found[term] = _indicators(term, c.base)
+        own = found[term]
+        at = substitute(term, {node: ONE if node.payload.onehot[0] == v else ZERO for node in own}) if own else term
+        out.append(indicator(c.base, v, n) * at)
+    return sum_(out)
 
 
-def _at_value(term: Term, element: Atom, v: int, n: int) -> Term:
-    """`term` where data element `element` (in [0, n)) is v: each of its indicators replaced by 0 or 1."""
-    own = {node: (ONE if node.payload.onehot[0] == v else ZERO) for node in postorder(term)
-           if node.kind is Kind.VAR and isinstance(node.payload, Atom) and node.payload.onehot is not None
-           and node.payload.element == element}
-    return substitute(term, own) if own else term
+def _indicators(term: Term, element: Atom) -> list[Term]:
+    """The indicator variables of data element `element` in `term`."""
+    return [node for node in postorder(term) if node.kind is Kind.VAR and isinstance(node.payload, Atom)
+            and node.payload.onehot is not None and node.payload.element == element]
 
 
 def lift_int(fn: Callable, *xs):
