@@ -1299,6 +1299,8 @@ class _Reach:
 
     def under(self, root: Term) -> frozenset[str]:
         memo, tensor_of = self.memo, self.logical.tensor_of
+        if (known := memo.get(root)) is not None:
+            return known
         stack = [(root, False)]
         while stack:
             node, done = stack.pop()
