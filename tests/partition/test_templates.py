@@ -49,7 +49,9 @@ def claimed(request):
 
 def test_every_instance_of_a_template_is_the_built_one_renamed(claimed, monkeypatch, request):
     """Templates that never count as built: every instance is built; each must be the first one renamed —
-    contribution sums' stages among them (dp without microbatches: each weight gradient's block 0 part)."""
+    contribution sums' stages among them (dp without microbatches: each weight gradient's block 0 part), and
+    unfolded ones, named by the numbering extended to the tensors they were unfolded by, wherever the first
+    instance's unfolding carries over (`Templates.unfolded`)."""
     plan, dims, claims = claimed
     seen: dict[str, set] = {}
     descriptor, expand = Templates.descriptor, stages_module.expand
@@ -57,9 +59,12 @@ def test_every_instance_of_a_template_is_the_built_one_renamed(claimed, monkeypa
     contributions, instances = set(), {}
     regions: dict[str, set] = {}            # aligned template -> the offsets of its instances' regions
 
+    unfolded_first: dict[str, tuple] = {}       # unfolded template -> its first instance's `Unfolding` and form
+    carried = []                                 # later instances the first one's unfolding carries over to
+
     def spy_descriptor(self, provenance, claim, width=0):
         key = descriptor(self, provenance, claim, width)
-        last["template"], last["numbers"] = key, dict(self.numbers)
+        last["template"], last["numbers"], last["templates"] = key, dict(self.numbers), self
         if width:
             contributions.add(key)
         if not width and self.aligned(provenance, claim):
@@ -74,10 +79,21 @@ def test_every_instance_of_a_template_is_the_built_one_renamed(claimed, monkeypa
 
     def spy_expand(lhs, rhs, logical):
         out = expand(lhs, rhs, logical)
-        if last.get("template") is not None:
-            seen.setdefault(last["template"], set()).add(_renamed(*out[:2], last["numbers"]))
-            instances[last["template"]] = instances.get(last["template"], 0) + 1
-            last["template"] = None
+        template, numbers, templates = last.get("template"), last.get("numbers"), last.get("templates")
+        first = templates.unfolding(numbers, out[2], "") if template is not None and out[2] else None
+        if first is not None:           # unfolded: tensors named by the numbering extended to them
+            form = _renamed(*out[:2], {**numbers, **templates.extension(numbers, out[2])[0]})
+            if template not in unfolded_first:
+                unfolded_first[template] = first, form
+            else:                   # where the first instance's unfolding carries over, the formula is its renamed
+                templates.first_unfolded[template] = unfolded_first[template][0]
+                taken = templates.unfolded(template, numbers)
+                if taken is not None:
+                    carried.append((template, taken[1] == out[2], form == unfolded_first[template][1]))
+        elif template is not None:
+            seen.setdefault(template, set()).add(_renamed(*out[:2], numbers))
+            instances[template] = instances.get(template, 0) + 1
+        last["template"] = None
         return out
 
     class NeverBuilt(dict):
@@ -102,11 +118,63 @@ def test_every_instance_of_a_template_is_the_built_one_renamed(claimed, monkeypa
         partition(plan, dims, claims, symmetry=False, shards=False)
     assert len(seen) > 50
     assert {t: len(forms) for t, forms in seen.items() if len(forms) > 1} == {}
+    assert [c for c in carried if not all(c[1:])] == []
+    if request.node.callspec.params["claimed"][2] == {"sp": True}:
+        assert len(carried) >= 10 and len({c[0] for c in carried}) >= 3
     if request.node.callspec.params["claimed"][1] == "dp=2,tp=2,pp=2":
         assert sum(instances.get(t, 0) > 1 for t in contributions) > 10     # compared across instances
     # aligned stages (an optimizer's update of a tensor-parallel or ZeRO shard): one template for the regions at
     # different offsets, each instance built and found the first one renamed
     assert sum(len(offsets) > 1 and len(seen.get(t, ())) == 1 for t, offsets in regions.items()) > 5
+
+
+@pytest.mark.parametrize("claimed", [PLANS[0]], indirect=True, ids=["llama3-tiny-sp"])
+def test_an_unfolded_template_carries_over_only_where_its_definitions_read_alike(claimed, monkeypatch):
+    """An instance of an unfolded template takes the first one's key only where the tensors it is unfolded by are
+    defined alike: given the numbering of an instance it carried over to, with one unfolded tensor replaced by its
+    twin of the same class in another layer (other arguments) or by a tensor of another class, it gives None."""
+    plan, dims, claims = claimed
+    taken, unfolded = [], Templates.unfolded
+
+    def spy(self, template, numbers):
+        out = unfolded(self, template, numbers)
+        if out is not None:
+            taken.append((self, template, dict(numbers), out))
+        return out
+    monkeypatch.setattr(Templates, "unfolded", spy)
+    partition(plan, dims, claims)
+    assert len(taken) >= 10
+    checked = 0
+    for templates, template, numbers, (key, tensors) in taken:
+        kept = templates.first_unfolded[template]
+        assert unfolded(templates, template, numbers) == (key, tensors)
+        logical = templates.logical
+        for w in sorted(t for t in tensors if numbers.get(t, len(numbers)) < len(numbers)):
+            node = logical.nodes[w]
+            twins = [x for x, other in logical.nodes.items() if x != w and x not in numbers and
+                     templates.klass(x) == templates.klass(w) and other.args != node.args]
+            strangers = [x for x in logical.nodes if x not in numbers and templates.klass(x) != templates.klass(w)]
+            for x in twins[:1] + strangers[:1]:
+                swapped = {(x if t == w else t): n for t, n in numbers.items()}
+                assert unfolded(templates, template, swapped) is None, (w, x)
+                checked += 1
+        assert kept.key == key
+        # the first instance's record made wrong in one place: a class, the order, a step's argument
+        broken = [kept._replace(rows=((kept.rows[0][0], "another class", kept.rows[0][2]),) + kept.rows[1:]),
+                  kept._replace(ranks=kept.ranks[::-1])]
+        # a step more: parent's argument i as another numbered tensor, or as a new number (one tensor, two numbers)
+        parent, i, n = kept.steps[0]
+        other = next(m for m in range(len(numbers)) if m not in (parent, n))
+        twice = max(kept.ranks) + 1
+        at = kept.ranks.index(n) + 1
+        broken += [kept._replace(steps=kept.steps + ((parent, i, other),)),
+                   kept._replace(steps=kept.steps + ((parent, i, twice),),
+                                 ranks=kept.ranks[:at] + (twice,) + kept.ranks[at:])]
+        for wrong in broken:
+            templates.first_unfolded[template] = wrong
+            assert unfolded(templates, template, numbers) is None, wrong
+        templates.first_unfolded[template] = kept
+    assert checked >= 10
 
 
 def test_templates_key_most_stages_without_building_them_and_change_no_stage(claimed):

@@ -471,10 +471,14 @@ class SymbolicRun(StandIns, Renamed, LayerRenamed, Scheduler):
             if own not in self._evaluated:
                 self._evaluating = own
                 return None
-        elif not self.templates.built.get(self.templates.descriptor(made, claim)):
+        elif not self._known(self.templates.descriptor(made, claim)):
             return None
         out = Deferred(node, args, self.dims, state.ctx, self._shape(node))
         return out if self._shallow(out) else None
+
+    def _known(self, template: str) -> bool:
+        """Was an instance of the template built (one unfolded: kept so that it may carry over)?"""
+        return bool(self.templates.built.get(template)) or template in self.templates.first_unfolded
 
     def _shallow(self, value: Deferred) -> bool:
         """Is a value not computed within `MAX_DEFERRED` ops of computed ones (so building it recurses no deeper)?"""
@@ -1142,14 +1146,18 @@ class SymbolicRun(StandIns, Renamed, LayerRenamed, Scheduler):
             accumulated = self._accumulated(claim, values, self.moves.blocks.count)
             if accumulated is not None:
                 return self._record_accumulated(cid, members, state, node, claim, accumulated, reads)
-        template = None
+        template = numbers = None
         if made is not None:
             template = self.templates.descriptor(made, claim, width)
+            numbers = self.templates.numbers
             key = self.templates.built.get(template)
-            if key:                          # a renaming of a stage built before: its key, no terms
+            # a renaming of a stage built before: its key, no terms (one unfolded: where the definitions it was
+            # unfolded by are renamed alike, `Templates.unfolded`)
+            found = (key, frozenset()) if key else self.templates.unfolded(template, numbers) if key == "" else None
+            if found is not None:
                 self.templated += 1
-                self._append(cid, members, state, node, claim, key, reads)
-                self._keyed(frozenset())     # a template is kept only where its formula was not unfolded
+                self._append(cid, members, state, node, claim, found[0], reads)
+                self._keyed(found[1])
                 return
         rhs = self.logical.contribution_of(claim.logical, claim.slices(), width) if width else None
         values = [as_dtype(self._real(v), "float") for v in values]
@@ -1182,8 +1190,12 @@ class SymbolicRun(StandIns, Renamed, LayerRenamed, Scheduler):
         *formula, unfolded = expand(lhs, rhs, self.logical)
         key = formula_key(*formula, self.logical.order)
         if template is not None:
-            # unfolding read the logical graph beyond the descriptor: such a template is built every time
+            # unfolding read the logical graph beyond the descriptor: the template is taken only where that reads
+            # alike too
             self.templates.built[template] = "" if unfolded else key
+            first = self.templates.unfolding(numbers, unfolded, key) if unfolded else None
+            if first is not None:
+                self.templates.first_unfolded.setdefault(template, first)
         self.formulas.setdefault(key, tuple(formula))
         self._append(cid, members, state, node, claim, key, reads)
         self._keyed(unfolded)

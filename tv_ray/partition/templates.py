@@ -28,8 +28,11 @@ its terms are never built.
 docs/templates.md gives the argument and what is *not* templated:
 
 - a stage whose formula needed unfolding of logical intermediates (`expand`
-  changed it): unfolding reads the logical graph beyond the descriptor, so
-  every such stage is built in full;
+  changed it), unless the first instance's unfolding carries over: unfolding
+  reads the logical graph beyond the descriptor, so the first instance keeps
+  how, relative to its numbering (`Unfolding`), and an instance takes its key
+  only where the definitions it was unfolded by read alike there
+  (`Templates.unfolded`; docs/templates.md, "Unfolded stages");
 - a stage that read a mirrored, moved or accumulated value, an opaque op,
   or a collective with a member stood in for:
   built in full as before (a group's stage — the sum of its members' parts —
@@ -52,6 +55,7 @@ difference); docs/templates.md, "Aligned stages".
 from __future__ import annotations
 
 import hashlib
+from typing import NamedTuple
 
 import numpy as np
 
@@ -61,7 +65,7 @@ from tv_ray.partition.claims import Claim
 from tv_ray.partition.ids import StageId
 from tv_ray.partition.logical import LogicalTerms
 from tv_ray.semantics.table import Context, instantiate_attrs, instantiate_shape
-from tv_ray.terms import Kind, Term
+from tv_ray.terms import Kind, Term, postorder
 from tv_ray.terms.atom import Atom
 
 MAX_CONE = 64          # physical ops since the last cuts beyond which a stage is not templated
@@ -86,15 +90,30 @@ def contributed(claim: Claim, width: int) -> tuple:
     return ("k", claim, 1, width)
 
 
+class Unfolding(NamedTuple):
+    """How the first instance of a template was unfolded (`expand`), relative to its descriptor's numbering: the
+    numbering extended to the unfolded tensors' arguments (`steps`), the numbers of the tensors unfolded, each
+    number's class and samples' tag beyond the descriptor's (and the unfolded tensors'), every number in the
+    tensors' logical order (`ranks`), and the key."""
+
+    key: str
+    steps: tuple
+    unfolded: tuple
+    rows: tuple
+    ranks: tuple
+
+
 class Templates:
     """Stage descriptors (one table per symbolic run): `built` maps a template one instance has built to that
     formula's key — every instance's, since their formulas are renamings of it that keep the tensors' logical
-    order (`tv_ray.partition.keys` numbers tensors in that order) — or to "" when it needed unfolding (every
-    instance is then built, under its own formula's key)."""
+    order (`tv_ray.partition.keys` numbers tensors in that order) — or to "" when it needed unfolding (an instance
+    is then built, under its own formula's key, unless the first one's unfolding carries over: `unfolded`)."""
 
     def __init__(self, logical: LogicalTerms, dims: dict[str, int]):
         self.logical, self.dims = logical, dims
         self.built: dict[str, str] = {}
+        self.first_unfolded: dict[str, Unfolding] = {}     # template -> how its first instance was unfolded
+        self._renamable: dict[str, bool] = {}
         self._signatures: dict[int, tuple] = {}
         self._classes: dict[str, str] = {}
         self._last: tuple = (None, None, "", 0)  # (provenance, claim, template, width) of the last descriptor
@@ -151,6 +170,90 @@ class Templates:
                 h.update(repr(idx).encode())
                 h.update(x.digest if isinstance(x, Term) else repr(x).encode())
         found = self._classes[tensor] = h.hexdigest()
+        return found
+
+    def unfolding(self, numbers: dict, unfolded: frozenset[str], key: str) -> Unfolding | None:
+        """A stage with key `key`, its formula unfolded by the definitions of `unfolded`, as an `Unfolding` relative
+        to its descriptor's `numbers`, where `extension` finds one (docs/templates.md, "Unfolded stages")."""
+        found = self.extension(numbers, unfolded)
+        if found is None:
+            return None
+        ext, steps = found
+        order, tags = self.logical.order, self.logical.blocks.tags if self.logical.blocks is not None else {}
+        rows = tuple((n, self.klass(t), repr(tags.get(t))) for t, n in sorted(ext.items(), key=lambda x: x[1])
+                     if t in unfolded or n >= len(numbers))
+        ranks = tuple(ext[t] for t in sorted(ext, key=order.__getitem__))
+        return Unfolding(key, steps, tuple(sorted(ext[t] for t in unfolded)), rows, ranks)
+
+    def extension(self, numbers: dict, unfolded: frozenset[str]) -> tuple[dict[str, int], tuple] | None:
+        """The descriptor's numbering of tensors extended to the arguments of each unfolded tensor, each numbered
+        tensor's arguments in order (`steps`: (its number, argument position, the argument's number)); None where
+        an unfolded tensor is not reached so, is an input, or has an argument whose value is neither its own atoms
+        nor closed terms (another tensor's atoms there would not be renamed with the rest)."""
+        ext = {t: n for t, n in numbers.items() if isinstance(t, str)}
+        fresh = len(numbers)
+        steps, done = [], set()
+        order = self.logical.order
+        while len(done) < len(unfolded):
+            ready = sorted((t for t in unfolded if t not in done and t in ext), key=order.__getitem__)
+            if not ready:
+                return None
+            for tensor in ready:
+                node = self.logical.nodes.get(tensor)
+                if node is None:
+                    return None
+                for i, a in enumerate(node.args):
+                    if not self._renamed_with_tensor(a):
+                        return None
+                    if a not in ext:
+                        ext[a], fresh = fresh, fresh + 1
+                    steps.append((ext[tensor], i, ext[a]))
+                done.add(tensor)
+        return ext, tuple(steps)
+
+    def unfolded(self, template: str, numbers: dict) -> tuple[str, frozenset[str]] | None:
+        """The key of an instance of `template` whose first instance was unfolded (`first_unfolded`), and the
+        tensors this instance's formula is unfolded by, where its numbering extends as the first one's did to
+        tensors of the same classes in the same logical order; else None."""
+        kept = self.first_unfolded.get(template)
+        if kept is None:
+            return None
+        tensors = {n: t for t, n in numbers.items() if isinstance(t, str)}
+        for parent, i, n in kept.steps:
+            node = self.logical.nodes.get(tensors.get(parent))
+            if node is None or i >= len(node.args) or not self._renamed_with_tensor(node.args[i]):
+                return None
+            a = node.args[i]
+            if tensors.setdefault(n, a) != a:
+                return None
+        if len(set(tensors.values())) != len(tensors):
+            return None         # two numbers on one tensor: not the first instance's renamed
+        tags = self.logical.blocks.tags if self.logical.blocks is not None else {}
+        if any(n not in tensors or self.klass(tensors[n]) != klass or repr(tags.get(tensors[n])) != tag
+               for n, klass, tag in kept.rows):
+            return None
+        order = self.logical.order
+        if tuple(sorted(tensors, key=lambda n: order[tensors[n]])) != kept.ranks:
+            return None
+        return kept.key, frozenset(tensors[n] for n in kept.unfolded)
+
+    def _renamed_with_tensor(self, tensor: str) -> bool:
+        """Is every element of the tensor's value its own atom or a closed term?"""
+        found = self._renamable.get(tensor)
+        if found is None:
+            found = self.logical.atomic(tensor)
+            if not found and tensor in self.logical.value:
+                found = True
+                for idx, x in np.ndenumerate(self.logical.value[tensor]):
+                    if isinstance(x, Term) and x.kind is Kind.VAR:
+                        if not (isinstance(x.payload, Atom) and x.payload.base == tensor and
+                                x.payload.onehot is None and x.payload.idx == idx):
+                            found = False
+                            break
+                    elif isinstance(x, Term) and any(t.kind is Kind.VAR for t in postorder(x)):
+                        found = False
+                        break
+            self._renamable[tensor] = found
         return found
 
     def _atoms_only(self, tensor: str, full: tuple) -> bool:
