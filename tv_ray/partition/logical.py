@@ -63,6 +63,12 @@ def atoms(base, shape: tuple[int, ...], offsets: tuple[int, ...] | None = None) 
     return out
 
 
+def own_atom(x, tensor: str, idx: tuple[int, ...]) -> bool:
+    """Is `x`, element `idx` of `tensor`'s value, that tensor's own atom there (renamed with the tensor)?"""
+    return isinstance(x, Term) and x.kind is Kind.VAR and isinstance(x.payload, Atom) and x.payload.base == tensor \
+        and x.payload.onehot is None and x.payload.idx == idx
+
+
 @dataclass
 class LogicalTerms:
     """The logical graph symbolically: each tensor's atoms (or its value, for constants and ints) and definition."""
@@ -422,4 +428,4 @@ def scaled(values: np.ndarray, scale) -> np.ndarray:
     return out
 
 
-__all__ = ["LogicalTerms", "atoms", "scaled"]
+__all__ = ["LogicalTerms", "atoms", "own_atom", "scaled"]

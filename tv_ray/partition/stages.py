@@ -471,14 +471,10 @@ class SymbolicRun(StandIns, Renamed, LayerRenamed, Scheduler):
             if own not in self._evaluated:
                 self._evaluating = own
                 return None
-        elif not self._known(self.templates.descriptor(made, claim)):
+        elif not self.templates.known(self.templates.descriptor(made, claim)):
             return None
         out = Deferred(node, args, self.dims, state.ctx, self._shape(node))
         return out if self._shallow(out) else None
-
-    def _known(self, template: str) -> bool:
-        """Was an instance of the template built (one unfolded: kept so that it may carry over)?"""
-        return bool(self.templates.built.get(template)) or template in self.templates.first_unfolded
 
     def _shallow(self, value: Deferred) -> bool:
         """Is a value not computed within `MAX_DEFERRED` ops of computed ones (so building it recurses no deeper)?"""
@@ -1150,11 +1146,8 @@ class SymbolicRun(StandIns, Renamed, LayerRenamed, Scheduler):
         if made is not None:
             template = self.templates.descriptor(made, claim, width)
             numbers = self.templates.numbers
-            key = self.templates.built.get(template)
-            # a renaming of a stage built before: its key, no terms (one unfolded: where the definitions it was
-            # unfolded by are renamed alike, `Templates.unfolded`)
-            found = (key, frozenset()) if key else self.templates.unfolded(template, numbers) if key == "" else None
-            if found is not None:
+            found = self.templates.taken(template, numbers)
+            if found is not None:           # a renaming of a stage built before: its key, no terms
                 self.templated += 1
                 self._append(cid, members, state, node, claim, found[0], reads)
                 self._keyed(found[1])
@@ -1190,12 +1183,7 @@ class SymbolicRun(StandIns, Renamed, LayerRenamed, Scheduler):
         *formula, unfolded = expand(lhs, rhs, self.logical)
         key = formula_key(*formula, self.logical.order)
         if template is not None:
-            # unfolding read the logical graph beyond the descriptor: the template is taken only where that reads
-            # alike too
-            self.templates.built[template] = "" if unfolded else key
-            first = self.templates.unfolding(numbers, unfolded, key) if unfolded else None
-            if first is not None:
-                self.templates.first_unfolded.setdefault(template, first)
+            self.templates.record(template, numbers, key, unfolded)
         self.formulas.setdefault(key, tuple(formula))
         self._append(cid, members, state, node, claim, key, reads)
         self._keyed(unfolded)

@@ -63,10 +63,9 @@ from tv_ray.ir import Node, Op
 from tv_ray.ir.ops import ELEMENTWISE
 from tv_ray.partition.claims import Claim
 from tv_ray.partition.ids import StageId
-from tv_ray.partition.logical import LogicalTerms
+from tv_ray.partition.logical import LogicalTerms, own_atom
 from tv_ray.semantics.table import Context, instantiate_attrs, instantiate_shape
 from tv_ray.terms import Kind, Term, postorder
-from tv_ray.terms.atom import Atom
 
 MAX_CONE = 64          # physical ops since the last cuts beyond which a stage is not templated
 COORDINATE_OPS = frozenset({Op.AXIS_INDEX, Op.LOCAL_CHUNK})   # their value is a function of the rank's coordinate
@@ -164,13 +163,32 @@ class Templates:
             value = lt.full(tensor)
             for idx in np.ndindex(value.shape):
                 x = value[idx]
-                if isinstance(x, Term) and x.kind is Kind.VAR and isinstance(x.payload, Atom) and \
-                        x.payload.base == tensor and x.payload.onehot is None and x.payload.idx == idx:
+                if own_atom(x, tensor, idx):
                     continue         # its own atom: renamed with the tensor
                 h.update(repr(idx).encode())
                 h.update(x.digest if isinstance(x, Term) else repr(x).encode())
         found = self._classes[tensor] = h.hexdigest()
         return found
+
+    def known(self, template: str) -> bool:
+        """Was an instance of the template built (one unfolded: kept so that it may carry over)?"""
+        return bool(self.built.get(template)) or template in self.first_unfolded
+
+    def taken(self, template: str, numbers: dict) -> tuple[str, frozenset[str]] | None:
+        """The key an instance of `template` (its descriptor's `numbers`) takes without being built, and the tensors
+        its formula is unfolded by: a template built before, or one unfolded whose unfolding carries over
+        (`unfolded`); None: build it."""
+        key = self.built.get(template)
+        return (key, frozenset()) if key else self.unfolded(template, numbers) if key == "" else None
+
+    def record(self, template: str, numbers: dict, key: str, unfolded: frozenset[str]) -> None:
+        """An instance of `template` was built with key `key`, unfolded by `unfolded`: unfolding read the logical
+        graph beyond the descriptor, so such a template lends its key only where that reads alike too (the first
+        instance's `unfolding` is kept)."""
+        self.built[template] = "" if unfolded else key
+        first = self.unfolding(numbers, unfolded, key) if unfolded else None
+        if first is not None:
+            self.first_unfolded.setdefault(template, first)
 
     def unfolding(self, numbers: dict, unfolded: frozenset[str], key: str) -> Unfolding | None:
         """A stage with key `key`, its formula unfolded by the definitions of `unfolded`, as an `Unfolding` relative
@@ -179,8 +197,8 @@ class Templates:
         if found is None:
             return None
         ext, steps = found
-        order, tags = self.logical.order, self.logical.blocks.tags if self.logical.blocks is not None else {}
-        rows = tuple((n, self.klass(t), repr(tags.get(t))) for t, n in sorted(ext.items(), key=lambda x: x[1])
+        order = self.logical.order
+        rows = tuple((n, self.klass(t), self._tag(t)) for t, n in sorted(ext.items(), key=lambda x: x[1])
                      if t in unfolded or n >= len(numbers))
         ranks = tuple(ext[t] for t in sorted(ext, key=order.__getitem__))
         return Unfolding(key, steps, tuple(sorted(ext[t] for t in unfolded)), rows, ranks)
@@ -228,8 +246,7 @@ class Templates:
                 return None
         if len(set(tensors.values())) != len(tensors):
             return None         # two numbers on one tensor: not the first instance's renamed
-        tags = self.logical.blocks.tags if self.logical.blocks is not None else {}
-        if any(n not in tensors or self.klass(tensors[n]) != klass or repr(tags.get(tensors[n])) != tag
+        if any(n not in tensors or self.klass(tensors[n]) != klass or self._tag(tensors[n]) != tag
                for n, klass, tag in kept.rows):
             return None
         order = self.logical.order
@@ -237,22 +254,18 @@ class Templates:
             return None
         return kept.key, frozenset(tensors[n] for n in kept.unfolded)
 
+    def _tag(self, tensor: str) -> str:
+        """The tensor's samples' tag, as a row writes it."""
+        return repr(self.logical.blocks.tags.get(tensor) if self.logical.blocks is not None else None)
+
     def _renamed_with_tensor(self, tensor: str) -> bool:
         """Is every element of the tensor's value its own atom or a closed term?"""
         found = self._renamable.get(tensor)
         if found is None:
-            found = self.logical.atomic(tensor)
-            if not found and tensor in self.logical.value:
-                found = True
-                for idx, x in np.ndenumerate(self.logical.value[tensor]):
-                    if isinstance(x, Term) and x.kind is Kind.VAR:
-                        if not (isinstance(x.payload, Atom) and x.payload.base == tensor and
-                                x.payload.onehot is None and x.payload.idx == idx):
-                            found = False
-                            break
-                    elif isinstance(x, Term) and any(t.kind is Kind.VAR for t in postorder(x)):
-                        found = False
-                        break
+            found = self.logical.atomic(tensor) or tensor in self.logical.value and all(
+                own_atom(x, tensor, idx) or not isinstance(x, Term) or
+                (x.kind is not Kind.VAR and not any(t.kind is Kind.VAR for t in postorder(x)))
+                for idx, x in np.ndenumerate(self.logical.value[tensor]))
             self._renamable[tensor] = found
         return found
 
