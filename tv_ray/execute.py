@@ -20,7 +20,7 @@ from tv_ray.ir import Graph, Node, Op, describe
 from tv_ray.ir.ops import COLLECTIVES, COMMUNICATION, P2P
 from tv_ray.plan import Plan
 from tv_ray.semantics import Context, eval_node, rule_for
-from tv_ray.semantics.interpret import instantiated
+from tv_ray.semantics.interpret import Instantiated, instantiated
 from tv_ray.semantics.table import dtype_name, instantiate_shape
 
 TOKEN = np.zeros(0)   # the value of a send: nothing
@@ -56,7 +56,7 @@ class Scheduler:
         self.plan, self.dims = plan, dims
         self.order: list[tuple[int, str]] | None = [] if keep else None
         names, ids = plan.rank_programs()
-        self.frees = PerProgram(plan, lambda program: _frees(program, keep))
+        self.frees = None if keep else PerProgram(plan, _frees)
         self.ranks = [_Rank(r, names[ids[r]], plan.programs[names[ids[r]]], rank_inputs[r],
                             Context(plan.axis_sizes, plan.coords(r))) for r in range(plan.num_ranks)]
         self.active = self.ranks        # the ranks `run` steps (a symbolic run may own a subset)
@@ -65,7 +65,7 @@ class Scheduler:
         self.mailbox: dict[tuple, deque] = defaultdict(deque)          # (src, dst, tag) -> values
         self.handlers = {**{op: self._collective for op in COLLECTIVES}, Op.SEND: self._send, Op.RECV: self._recv}
         self.groups: dict[tuple, tuple[int, ...]] = {}
-        self._instantiated: dict[int, tuple[dict, tuple[int, ...]]] = {}    # id(node) -> its attrs and shape
+        self._instantiated: dict[int, Instantiated] = {}    # id(node) -> the node at the dims
         self._shapes: dict[tuple, tuple[int, ...]] = {}                      # (id(node), attr) -> a shape
 
     def run(self) -> list[dict[str, np.ndarray]]:
@@ -113,9 +113,10 @@ class Scheduler:
     def _advance(self, state: _Rank, node: Node, value: np.ndarray) -> None:
         state.env[node.name] = value
         if self.order is not None:
-            self.order.append((state.rank, node.name))
-        for name in self.frees[state.name][state.pc]:
-            del state.env[name]
+            self.order.append((state.rank, node.name))      # every value kept
+        else:
+            for name in self.frees[state.name][state.pc]:
+                del state.env[name]
         state.pc += 1
 
     def _fail(self, state: _Rank, node: Node, err: Exception) -> SimulationError:
@@ -356,10 +357,8 @@ class PerProgram(dict):
         return found
 
 
-def _frees(program: Graph, keep: bool = False) -> list[list[str]]:
-    """For each op position, the values last read there (program outputs are kept to the end; `keep`: all)."""
-    if keep:
-        return [[] for _ in program.nodes]
+def _frees(program: Graph) -> list[list[str]]:
+    """For each op position, the values last read there (program outputs are kept to the end)."""
     last: dict[str, int] = {}
     for position, node in enumerate(program.nodes):
         for arg in node.args:

@@ -2,6 +2,7 @@
 max_norm and the clip coefficient is 1, so nothing before it shows at the outputs; one more run, at inputs where
 the coefficient is below 1 (`clamping_point`), confirms them (found by the mutation fuzz: an eps change was
 left unknown, a twice-reduced squared sum was refuted only after four rounds of dropped claims)."""
+import numpy as np
 import pytest
 
 from tests.engine.bugs import changed, correct, inserted_after
@@ -27,7 +28,10 @@ def test_the_clipping_run_is_one_where_the_coefficient_is_below_one(plan):
     scale, logical = clamping_point(plan, dims, 7, default)
     assert scale > INPUT_SCALE and logical["optim.clip_coef"] < 1.0
     clipped = run_concrete(plan, dims, logical=logical)[0]      # the ranks run on the point the probe found
-    assert clipped.logical is logical and clipped.ranks[0]["optim.clip_coef"] == logical["optim.clip_coef"]
+    # the same coefficient up to the order of the sums (dp and tp add the squared norms in their own order: on
+    # some CPUs the last bit differs); a run at another point gives another one altogether
+    assert clipped.logical is logical
+    assert np.isclose(clipped.ranks[0]["optim.clip_coef"], logical["optim.clip_coef"], rtol=1e-12, atol=0)
     unclipped = correct("llama3-tiny", "dp=2,tp=2,mb=2", "adamw", None, sp=True, zero=1)
     dims = reduce_plan(unclipped).reduced
     assert clamping_point(unclipped, dims, 7, run_concrete(unclipped, dims, 7)[0].logical) is None  # no clamp

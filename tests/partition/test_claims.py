@@ -122,3 +122,43 @@ def test_digit_runs_tell_every_two_token_positions_apart_and_keep_a_rows_first_i
         for k in range(digit_runs(shape, high)):
             run = token_data(shape, high, rng, k).reshape(-1, shape[-1])[:, :high]
             assert all(len(set(row)) == row.size for row in run), (shape, k, run)
+
+
+
+def test_a_layers_claims_are_guessed_from_the_layer_before_and_a_wrong_guess_is_never_taken(monkeypatch):
+    """Layer j's ops are first offered the neighbouring layer's claims moved to the tensor at the same place
+    (`layer_images`), which spares most searches; a guess is taken only where it holds in every concrete run —
+    with the images scrambled (each tensor sent to another one's image) every claim made still holds. The plan's
+    intermediate lineage is left out, so its claims are matched by value (as a traced plan's are)."""
+    from tv_ray.models import get
+    from tv_ray.partition import claims as module
+    from tv_ray.partition.derive import claims_for
+    from tv_ray.partition.layers import layer_images
+
+    spec = get("llama3-tiny").with_dims(get("llama3-tiny").dims, layers=3)
+    plan = replace(api.parallelize(api.capture_step(spec, optim="adamw", clip=1.0), "tp=2", model=spec), interior=())
+    dims = reduce_plan(plan).reduced
+    placed, images = layer_images(plan.logical)
+    assert sum(placed.get(images[x]) == placed[x] + 1 for x in images) == len(images) > 100
+    searched = Counter()
+    best = module._Matcher.best
+    monkeypatch.setattr(module._Matcher, "best", lambda self, *a, **k: searched.update([a[1]]) or best(self, *a, **k))
+
+    def inferred(made: dict) -> dict:
+        """The claims matched by value with layer images `made`, each checked to hold in every run."""
+        monkeypatch.setattr(module, "layer_images", lambda graph: (placed, made))
+        searched.clear()
+        runs, claims = claims_for(plan, dims)
+        matcher = module._Matcher(plan, runs, [n for n, v in runs[0].logical.items() if v.dtype.kind == "f"])
+        found = {key: c for key, c in claims.items() if not c.boundary}
+        assert all(matcher.holds(tuple(plan.group(key[0], c.partial)) if c.partial else (key[0],), key[1], c)
+                   for key, c in found.items())
+        return found
+
+    guided, searches = inferred(images), sum(searched.values())
+    alone = inferred({})
+    assert searches < 0.6 * sum(searched.values())
+    assert len(alone) > 2000 and len(set(guided) ^ set(alone)) < len(alone) // 100
+    names = list(images)
+    scrambled = inferred({x: images[names[(i + 7) % len(names)]] for i, x in enumerate(names)})
+    assert len(scrambled) > 0.99 * len(alone)

@@ -30,13 +30,14 @@ from collections import Counter
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
 from tv_ray.execute import Scheduler
 from tv_ray.ir import Node, Op
 from tv_ray.ir.ops import COMMUNICATION, VIEWS
+from tv_ray.partition.layers import layer_counterparts, layer_images
 from tv_ray.partition.microbatches import counterparts
 from tv_ray.plan import Plan
 from tv_ray.semantics import run_graph
@@ -519,28 +520,26 @@ def group_value(run: ConcreteRun, members: tuple[int, ...], tensor: str) -> np.n
 
 
 class LogicalIndex:
-    """Find logical tensors containing a value: all float logical elements sorted once."""
+    """Find logical tensors containing a value: all float logical elements sorted once (by value, then by tensor
+    in `eligible` order and position)."""
 
     def __init__(self, values: dict[str, np.ndarray], eligible: list[str]):
         self.names = eligible
         self.values = values
-        chunks, owners, flats = [], [], []
-        for i, name in enumerate(eligible):
-            v = values[name].astype(np.float64).reshape(-1)
-            chunks.append(v)
-            owners.append(np.full(v.size, i, dtype=np.int32))
-            flats.append(np.arange(v.size, dtype=np.int64))
+        chunks = [values[name].astype(np.float64, copy=False).reshape(-1) for name in eligible]
+        self.starts = np.cumsum([0] + [chunk.size for chunk in chunks])      # tensor i's elements from starts[i]
         allv = np.concatenate(chunks) if chunks else np.zeros(0)
-        order = np.argsort(allv, kind="stable")
-        self.sorted = allv[order]
-        self.owner = np.concatenate(owners)[order] if chunks else np.zeros(0, dtype=np.int32)
-        self.flat = np.concatenate(flats)[order] if chunks else np.zeros(0, dtype=np.int64)
+        self.order = np.argsort(allv, kind="stable")
+        self.sorted = allv[self.order]
 
     def near(self, x: float) -> list[tuple[str, int]]:
+        """The (tensor, flat index) of up to 64 elements equal to `x` within the matching tolerance."""
         tol = RTOL * max(1.0, abs(x))
         lo = np.searchsorted(self.sorted, x - tol, "left")
         hi = np.searchsorted(self.sorted, x + tol, "right")
-        return [(self.names[self.owner[i]], int(self.flat[i])) for i in range(lo, min(hi, lo + 64))]
+        at = self.order[lo:min(hi, lo + 64)]
+        owners = np.searchsorted(self.starts, at, "right") - 1
+        return [(self.names[i], int(k - self.starts[i])) for i, k in zip(owners.tolist(), at.tolist())]
 
 
 def _anchor(value: np.ndarray) -> int | None:
@@ -730,17 +729,23 @@ def infer_claims(plan: Plan, runs: list[ConcreteRun], fixed: dict[tuple[int, str
                  eligible: list[str], ranks: np.ndarray | None = None,
                  blocks: "Blocks | None" = None) -> dict[tuple[int, str], Claim]:
     """Claims for every float tensor a rank produces: boundary ones as given, others matched by value — on
-    `ranks` (a mask; None: all), and for the groups those ranks are in. `blocks`: one block per microbatch
-    (of dp rank 0, on every rank in `ranks`), where microbatch k's ops are first offered their counterparts'
-    claims moved to block k."""
+    `ranks` (a mask; None: all), and for the groups those ranks are in.
+
+    An op with a counterpart settled before it is first offered its counterpart's claim moved (`_Guides`):
+    microbatch k's op microbatch 0's moved to block k (`blocks`: one block per microbatch, of dp rank 0, on every
+    rank in `ranks`), layer j's op (microbatch 0's, or of none) the neighbouring layer's on the tensor at the same
+    place (`tv_ray.partition.layers.layer_images`). A guess that holds in every run is the claim; one that does
+    not is searched for as any other op; an op whose counterpart has no claim, or a whole one whose move fails, is
+    left interior like it (a transformer's layers compute alike: what the search did not find in one it does
+    not find in the next)."""
     matcher = _Matcher(plan, runs, eligible)
     names, ids = plan.rank_programs()
     nodes: dict[str, dict[str, Node]] = {n: {node.name: node for node in plan.programs[n].nodes} for n in names}
-    pairs = {n: counterparts(plan.programs[n]) for n in names} if blocks is not None else {}
+    guides = _Guides(plan, names, blocks, runs[0].logical)
     claims = dict(fixed)
     unmatched: list[tuple[int, str]] = []
-    follows: dict[tuple[int, str], str] = {}     # (rank, op of microbatch k) -> its counterpart, looked at first
-    looked: set[tuple[int, str]] = set()
+    follows: dict[tuple[int, str], tuple] = {}     # (rank, op) -> its counterpart and the move, looked at first
+    settled: set[tuple[int, str]] = set()           # (rank, op) whose claim, or none, was decided alone
     for rank, tensor in runs[0].order:
         if (rank, tensor) in claims or (ranks is not None and not ranks[rank]):
             continue
@@ -748,18 +753,18 @@ def infer_claims(plan: Plan, runs: list[ConcreteRun], fixed: dict[tuple[int, str
         node = nodes[name][tensor]
         if node.dtype != "float" or tensor not in runs[0].ranks[rank]:
             continue
-        base = pairs[name].get(tensor) if pairs else None
-        if base is not None and (rank, base) in looked and (rank, base) not in matcher.ambiguous:
-            follows[rank, tensor] = base
-            first = claims.get((rank, base))
+        guide = guides.of(name, node)
+        settled.add((rank, tensor))
+        if guide is not None and (rank, guide[0]) in settled and (rank, guide[0]) not in matcher.ambiguous:
+            follows[rank, tensor] = guide
+            first = claims.get((rank, guide[0]))
             if first is None:           # unmatched alone: a group's part, maybe, like its counterpart's
                 unmatched.append((rank, tensor))
                 continue
-            moved = blocks.move(first, node.get_meta("mb"))
-            if not first.partial and matcher.holds((rank,), tensor, moved):
+            moved = guide[1](first)
+            if not first.partial and moved is not None and matcher.holds((rank,), tensor, moved):
                 claims[rank, tensor] = moved
                 continue
-        looked.add((rank, tensor))
         claim = matcher.best((rank,), tensor, node.get_meta("realises"), node, _read(claims, rank, node))
         if claim is not None:
             claims[rank, tensor] = claim
@@ -772,14 +777,15 @@ def infer_claims(plan: Plan, runs: list[ConcreteRun], fixed: dict[tuple[int, str
         if (rank, tensor) in claims:
             continue
         node = nodes[names[ids[rank]]][tensor]
-        base = follows.get((rank, tensor))
-        if base is not None and (rank, base) not in matcher.ambiguous:
-            first = claims.get((rank, base))
+        guide = follows.get((rank, tensor))
+        if guide is not None and (rank, guide[0]) not in matcher.ambiguous:
+            first = claims.get((rank, guide[0]))
             if first is None or not first.partial:
                 continue                # interior, like its counterpart (or its claim moved did not hold)
             members = tuple(plan.group(rank, first.partial))
-            moved = blocks.move(first, node.get_meta("mb"))
-            if not any((m, tensor) in claims for m in members) and matcher.holds(members, tensor, moved):
+            moved = guide[1](first)
+            if moved is not None and not any((m, tensor) in claims for m in members) and \
+                    matcher.holds(members, tensor, moved):
                 for m in members:
                     claims[m, tensor] = moved
                 continue
@@ -794,6 +800,36 @@ def infer_claims(plan: Plan, runs: list[ConcreteRun], fixed: dict[tuple[int, str
                     claims[m, tensor] = Claim(claim.logical, claim.offsets, claim.shape, subset, scale=claim.scale)
                 break
     return claims
+
+
+class _Guides:
+    """The counterpart an op's claim is first guessed from, and the move making the guess of that one's claim:
+    microbatch 0's op for microbatch k's (`counterparts`; the claim moved to block k), else the neighbouring
+    layer's op (`layer_counterparts`; the same slice of the tensor at the same place in the op's layer — of a
+    tensor outside the layers, the very claim; only to a tensor of the same shape, given the `logical` values of a
+    run)."""
+
+    def __init__(self, plan: Plan, names: list[str], blocks: "Blocks | None", logical: dict[str, np.ndarray]):
+        self.blocks = blocks
+        self.microbatches = {n: counterparts(plan.programs[n]) for n in names} if blocks is not None else {}
+        self.layers = {n: layer_counterparts(plan.programs[n]) for n in names}
+        placed, images = layer_images(plan.logical)
+        images = {x: y for x, y in images.items() if x in logical and y in logical and
+                  logical[x].shape == logical[y].shape}
+        self.images = {-1: images, 1: {y: x for x, y in images.items()}}    # by the counterpart's layer offset
+        self.placed = placed
+
+    def of(self, program: str, node: Node) -> tuple[str, Callable] | None:
+        base = self.microbatches[program].get(node.name) if self.microbatches else None
+        if base is not None:
+            k = node.get_meta("mb")
+            return base, lambda claim: self.blocks.move(claim, k)
+        paired = self.layers[program].get(node.name)
+        if paired is None:
+            return None
+        images = self.images[paired[1]]
+        return paired[0], lambda claim: claim if claim.logical not in self.placed else \
+            claim.on(images[claim.logical]) if claim.logical in images else None
 
 
 __all__ = ["Claim", "Claims", "stated_claims", "ConcreteRun", "run_concrete", "infer_claims", "output_claims", "interior_claims",

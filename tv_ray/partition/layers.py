@@ -109,28 +109,13 @@ class LayerShift:
         """τ where the graph shows it (`logical`: its `LogicalTerms`, which tell a tensor that is its own atoms)."""
         specs = {s.name: s for s in graph.inputs}
         nodes = {n.name: n for n in graph.nodes}
-        by_layer: dict[tuple[str, int], list[str]] = {}
-        inputs = {}
-        for spec in graph.inputs:
-            found = INPUT_LAYER.search(spec.name)
-            if found:
-                inputs[spec.name] = int(found.group(1))
-                by_layer.setdefault(("input", int(found.group(1))), []).append(spec.name)
-        placed = layers_of(graph.nodes, inputs)
-        for node in graph.nodes:
-            if node.name in placed:
-                by_layer.setdefault(("op", placed[node.name]), []).append(node.name)
-        layered = frozenset(name for names in by_layer.values() for name in names)
+        placed, images = layer_images(graph)
+        layered = frozenset(placed)
         renames: dict[str, str] = {}
-        for (kind, i), names in by_layer.items():
-            after = by_layer.get((kind, i + 1))
-            if after is None:
-                continue
-            items = specs if kind == "input" else nodes
-            for x, y in aligned([items[x] for x in names], [items[y] for y in after]):
-                a, b = items[x], items[y]
-                if a.shape == b.shape and a.dtype == b.dtype and _renamed_value(logical, x, y):
-                    renames[x] = y
+        for x, y in images.items():
+            a, b = specs.get(x) or nodes[x], specs.get(y) or nodes[y]
+            if a.shape == b.shape and a.dtype == b.dtype and _renamed_value(logical, x, y):
+                renames[x] = y
         alike = set()
         for x, y in renames.items():
             if x in specs:
@@ -208,6 +193,29 @@ def _renamed_value(logical, x: str, y: str) -> bool:
 
 
 _SHIFTS: dict[int, tuple] = {}
+
+
+def layer_images(graph: Graph) -> tuple[dict[str, int], dict[str, str]]:
+    """The layer of each tensor of the logical graph in one (an op, a weight or its optimizer state), and each
+    tensor of layer i → the one at the same place in layer i+1 (`aligned`, ops with ops and inputs with inputs).
+    A proposal only: `LayerShift.of` keeps the pairs the graph shows τ on, and the claims are first guessed
+    by it (`tv_ray.partition.claims.infer_claims`: a guess every concrete run must confirm)."""
+    by_layer: dict[tuple[str, int], list] = {}
+    inputs = {}
+    for spec in graph.inputs:
+        found = INPUT_LAYER.search(spec.name)
+        if found:
+            inputs[spec.name] = int(found.group(1))
+            by_layer.setdefault(("input", int(found.group(1))), []).append(spec)
+    placed = layers_of(graph.nodes, inputs)
+    for node in graph.nodes:
+        if node.name in placed:
+            by_layer.setdefault(("op", placed[node.name]), []).append(node)
+    images = {}
+    for (kind, i), items in by_layer.items():
+        if (kind, i + 1) in by_layer:
+            images.update(aligned(items, by_layer[kind, i + 1]))
+    return placed, images
 
 
 def layer_shift(graph: Graph, logical) -> LayerShift:

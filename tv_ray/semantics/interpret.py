@@ -7,7 +7,7 @@ Communication needs every rank at once, so it belongs to the plan simulator.
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 import numpy as np
 
@@ -16,33 +16,46 @@ from tv_ray.ir.dims import Dims
 from tv_ray.ir.graph import Graph, Node, describe
 from tv_ray.ir.ops import COMMUNICATION
 from tv_ray.semantics.shapes import fmt
-from tv_ray.semantics.table import Context, instantiate_attrs, instantiate_shape, numpy_dtype, rule_for
+from tv_ray.semantics.table import NUMPY_DTYPES, Context, instantiate_attrs, instantiate_shape, numpy_dtype, rule_for
+
+
+class Instantiated(NamedTuple):
+    """A node at some dims, made once per node and dims (`instantiated`): its attributes and stated shape there,
+    its op's concrete rule and the numpy dtype it states (None for a dtype without values)."""
+
+    attrs: dict
+    shape: tuple[int, ...]
+    concrete: Callable
+    dtype: Any
 
 
 def eval_node(node: Node, args: list[np.ndarray], dims: Dims, ctx: Context = Context(),
-              at: tuple[dict, tuple[int, ...]] | None = None) -> np.ndarray:
+              at: Instantiated | None = None) -> np.ndarray:
     """Run one node on concrete arrays; the result must have the node's stated shape and dtype. `at`: the
-    node's attributes and shape at `dims` (`instantiated`), when the caller keeps them.
+    node at `dims` (`instantiated`), when the caller keeps it.
 
     Example: ``eval_node(Node.make("y", "neg", ["x"], shape=[2]), [np.ones(2)], {})`` is ``[-1., -1.]``.
     """
     if node.op in COMMUNICATION:
         raise SimulationError(f"{describe(node)}: communication needs every rank of the group; "
                               f"run the plan with the plan simulator", node=node.name)
-    attrs, stated = at or instantiated(node, dims)
-    out = np.asarray(rule_for(node.op, "concrete").concrete(list(args), attrs, ctx))
-    if out.shape != stated:
+    at = at or instantiated(node, dims)
+    out = np.asarray(at.concrete(list(args), at.attrs, ctx))
+    if out.shape != at.shape:
         raise ShapeError(f"node {describe(node)}: the result has shape {fmt(out.shape)} but the node "
-                         f"states {fmt(stated)}; fix the stated shape or the inputs", node=node.name)
-    if out.dtype != numpy_dtype(node.dtype):
+                         f"states {fmt(at.shape)}; fix the stated shape or the inputs", node=node.name)
+    if out.dtype != at.dtype:
+        numpy_dtype(node.dtype)         # a stated dtype without values raises its own error
         raise GraphError(f"node {describe(node)}: the result has dtype {out.dtype} but the node states "
                          f"{node.dtype}; fix the stated dtype", node=node.name)
     return out
 
 
-def instantiated(node: Node, dims: Dims) -> tuple[dict, tuple[int, ...]]:
-    """A node's attributes and stated shape at `dims`."""
-    return instantiate_attrs(node, dims), instantiate_shape(node.shape, dims)
+def instantiated(node: Node, dims: Dims) -> Instantiated:
+    """A node at `dims`: its attributes and stated shape there, its concrete rule (UnknownOpError for an op
+    without one) and its numpy dtype."""
+    return Instantiated(instantiate_attrs(node, dims), instantiate_shape(node.shape, dims),
+                        rule_for(node.op, "concrete").concrete, NUMPY_DTYPES.get(node.dtype))
 
 
 def _last_reads(graph: Graph) -> dict[str, int]:
