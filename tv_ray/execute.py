@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict, deque
+from collections.abc import Mapping
 from typing import Callable
 
 import numpy as np
@@ -20,6 +21,7 @@ from tv_ray.ir import Graph, Node, Op, describe
 from tv_ray.ir.ops import COLLECTIVES, COMMUNICATION, P2P
 from tv_ray.plan import Plan
 from tv_ray.semantics import Context, eval_node, rule_for
+from tv_ray.semantics.batched import batched
 from tv_ray.semantics.interpret import Instantiated, instantiated
 from tv_ray.semantics.table import dtype_name, instantiate_shape
 
@@ -81,10 +83,14 @@ class Scheduler:
 
     # -- the value domain: concrete float64 here; the symbolic interpreter overrides these three
     def evaluate(self, state: "_Rank", node: Node, args: list[np.ndarray]) -> np.ndarray:
-        at = self._instantiated.get(id(node))            # nodes live in the plan, as long as the scheduler
+        return eval_node(node, args, self.dims, state.ctx, self._instance(node))
+
+    def _instance(self, node: Node) -> Instantiated:
+        """`node` at the scheduler's dims, cached (nodes live in the plan, as long as the scheduler)."""
+        at = self._instantiated.get(id(node))
         if at is None:
             at = self._instantiated[id(node)] = instantiated(node, self.dims)
-        return eval_node(node, args, self.dims, state.ctx, at)
+        return at
 
     def evaluate_group(self, node: Node, members: tuple[int, ...], values: list[np.ndarray]) -> list[np.ndarray]:
         return rule_for(node.op, "group").group(values, node.attr)
@@ -235,6 +241,66 @@ class Scheduler:
             waits.append(f"{self.plan.describe(state.rank)} waits at {state.where()} ({what})")
         unread = [f"rank {src}→{dst} tag {tag} ×{len(q)}" for (src, dst, tag), q in sorted(self.mailbox.items()) if q]
         return ("deadlock: " + "; ".join(waits) + (f"; sent but never received: {', '.join(unread)}" if unread else ""))
+
+
+class Stacked(Scheduler):
+    """Several concrete runs of one plan's ranks at once, each value every run's stacked along axis 0: an op with
+    a stacked form (`tv_ray.semantics.batched`) evaluated once, any other op and every collective run by run.
+    `rank_inputs`: each run's inputs of each rank."""
+
+    def __init__(self, plan: Plan, dims: dict[str, int], rank_inputs: list[list[dict[str, np.ndarray]]],
+                 keep: bool = False):
+        self.count = len(rank_inputs)
+        self.token = np.zeros((self.count, 0))
+        super().__init__(plan, dims, [{name: np.stack([run[rank][name] for run in rank_inputs])
+                                       for name in rank_inputs[0][rank]} for rank in range(plan.num_ranks)], keep)
+
+    def evaluate(self, state: _Rank, node: Node, args: list[np.ndarray]) -> np.ndarray:
+        at = self._instance(node)
+        out = batched(node, args, at.attrs, at.shape, at.concrete, state.ctx) if node.op not in COMMUNICATION \
+            else None
+        if out is None:
+            return np.stack([eval_node(node, [a[r] for a in args], self.dims, state.ctx, at) for r in range(self.count)])
+        if out.shape != (self.count, *at.shape) or out.dtype != at.dtype:
+            raise SimulationError(f"{describe(node)}: {self.count} runs stacked give {out.dtype} {out.shape}, not "
+                                  f"{node.dtype} {at.shape} each", rank=state.rank, node=node.name)
+        return out
+
+    def evaluate_group(self, node: Node, members: tuple[int, ...], values: list[np.ndarray]) -> list[np.ndarray]:
+        group = super().evaluate_group
+        runs = [group(node, members, [v[r] for v in values]) for r in range(self.count)]
+        return [np.stack([results[m] for results in runs]) for m in range(len(members))]
+
+    def stated(self, node: Node, attr: str | None = None) -> tuple[int, ...]:
+        return (self.count, *super().stated(node, attr))
+
+    def _advance(self, state: _Rank, node: Node, value: np.ndarray) -> None:
+        super()._advance(state, node, self.token if value is TOKEN else value)
+
+    def unstacked(self, run: int) -> list["RunValues"]:
+        """Every rank's values in run `run`."""
+        return [RunValues(state.env, run) for state in self.ranks]
+
+
+class RunValues(Mapping):
+    """One run's values of a rank, read off the stacked runs' (`Stacked`) when asked."""
+
+    __slots__ = ("env", "run")
+
+    def __init__(self, env: dict[str, np.ndarray], run: int):
+        self.env, self.run = env, run
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.env[name][self.run, ...]
+
+    def __contains__(self, name) -> bool:
+        return name in self.env
+
+    def __iter__(self):
+        return iter(self.env)
+
+    def __len__(self) -> int:
+        return len(self.env)
 
 
 class OrderRun(Scheduler):

@@ -27,14 +27,15 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from tv_ray.execute import Scheduler
+from tv_ray.errors import TvRayError
+from tv_ray.execute import Scheduler, Stacked
 from tv_ray.ir import Node, Op
 from tv_ray.ir.ops import COMMUNICATION, VIEWS
 from tv_ray.partition.layers import layer_counterparts, layer_images
@@ -119,7 +120,7 @@ class ConcreteRun:
 
     dims: dict[str, int]
     logical: dict[str, np.ndarray]
-    ranks: list[dict[str, np.ndarray]]
+    ranks: list[Mapping[str, np.ndarray]]          # one per rank (a `RunValues` of stacked runs)
     order: list[tuple[int, str]] = field(default_factory=list)   # (rank, tensor) as produced
 
 
@@ -470,17 +471,34 @@ def logical_inputs(plan: Plan, dims: dict[str, int], seed: int = 0, digit: int |
     return inputs
 
 
+def logical_point(plan: Plan, dims: dict[str, int], seed: int = 0, digit: int | None = None, mask: bool = False,
+                  scale: float = INPUT_SCALE) -> dict[str, np.ndarray]:
+    """The logical graph's every value at one random point (`logical_inputs`)."""
+    return run_graph(plan.logical, dims, logical_inputs(plan, dims, seed, digit, mask, scale), keep=True)
+
+
 def run_concrete(plan: Plan, dims: dict[str, int], seed: int = 0, digit: int | None = None,
                  mask: bool = False, scale: float = INPUT_SCALE,
                  logical: dict[str, np.ndarray] | None = None) -> tuple[ConcreteRun, dict[tuple[int, str], Claim]]:
-    """Run the logical graph and every rank on one random point (`logical_inputs`), keeping all values; with
+    """Run the logical graph and every rank on one random point (`logical_point`), keeping all values; with
     `logical`, the logical graph's values at a point already run (the ranks take their inputs from them)."""
     if logical is None:
-        logical = run_graph(plan.logical, dims, logical_inputs(plan, dims, seed, digit, mask, scale), keep=True)
+        logical = logical_point(plan, dims, seed, digit, mask, scale)
     in_claims = input_claims(plan, {name: value.shape for name, value in logical.items()})
     scheduler = Scheduler(plan, dims, rank_inputs(plan, logical), keep=True)
     scheduler.run()
     return ConcreteRun(dims, logical, [r.env for r in scheduler.ranks], scheduler.order), in_claims
+
+
+def run_points(plan: Plan, dims: dict[str, int], points: list[dict[str, np.ndarray]]) -> list[ConcreteRun]:
+    """`run_concrete` at each of several points (the logical graph's values there), every rank stepped once for all
+    of them (`Stacked`); where that fails, run by run, so a failing plan's error is its run's own."""
+    try:
+        scheduler = Stacked(plan, dims, [rank_inputs(plan, logical) for logical in points], keep=True)
+        scheduler.run()
+    except (TvRayError, ArithmeticError, ValueError, IndexError, TypeError):
+        return [run_concrete(plan, dims, logical=logical)[0] for logical in points]
+    return [ConcreteRun(dims, logical, scheduler.unstacked(run), scheduler.order) for run, logical in enumerate(points)]
 
 
 def clamps_passing(plan: Plan, values: dict[str, np.ndarray]) -> int:
@@ -503,7 +521,7 @@ def clamping_point(plan: Plan, dims: dict[str, int], seed: int,
         return None
     best = None
     for scale in CLAMP_SCALES:
-        values = run_graph(plan.logical, dims, logical_inputs(plan, dims, seed, scale=scale), keep=True)
+        values = logical_point(plan, dims, seed, scale=scale)
         if (n := clamps_passing(plan, values)) > most:
             best, most = (scale, values), n
         if most == clamps:
@@ -564,18 +582,18 @@ def runs_for(plan: Plan, dims: dict[str, int], seed: int = 0) -> tuple[list[Conc
     the small inputs (gradient clipping's coefficient), one more at larger inputs where it passes them
     (`clamping_point`: a fault on the clipping path changes the outputs there, so it is confirmed, not left
     unknown)."""
-    first, claims = run_concrete(plan, dims, seed)
+    first = logical_point(plan, dims, seed)
     digits = 0
     for spec in plan.logical.inputs:
         if spec.dtype == "int" and spec.high is not None:
             high = spec.high.eval(dims) if hasattr(spec.high, "eval") else int(spec.high)
-            digits = max(digits, digit_runs(first.logical[spec.name].shape, high))
-    runs = [first] + [run_concrete(plan, dims, seed + 1 + k, digit=k)[0] for k in range(digits)]
+            digits = max(digits, digit_runs(first[spec.name].shape, high))
+    points = [first] + [logical_point(plan, dims, seed + 1 + k, digit=k) for k in range(digits)]
     if any(spec.ignore is not None for spec in plan.logical.inputs):
-        runs.append(run_concrete(plan, dims, seed + 1 + digits, mask=True)[0])
-    if (clamping := clamping_point(plan, dims, seed + 2 + digits, first.logical)) is not None:
-        runs.append(run_concrete(plan, dims, logical=clamping[1])[0])
-    return runs, claims
+        points.append(logical_point(plan, dims, seed + 1 + digits, mask=True))
+    if (clamping := clamping_point(plan, dims, seed + 2 + digits, first)) is not None:
+        points.append(clamping[1])
+    return run_points(plan, dims, points), input_claims(plan, {name: value.shape for name, value in first.items()})
 
 
 def candidates(value: np.ndarray, at: int, index: LogicalIndex, only: str | None = None,
