@@ -753,9 +753,10 @@ def infer_claims(plan: Plan, runs: list[ConcreteRun], fixed: dict[tuple[int, str
     microbatch k's op microbatch 0's moved to block k (`blocks`: one block per microbatch, of dp rank 0, on every
     rank in `ranks`), layer j's op (microbatch 0's, or of none) the neighbouring layer's on the tensor at the same
     place (`tv_ray.partition.layers.layer_images`). A guess that holds in every run is the claim; one that does
-    not is searched for as any other op; an op whose counterpart has no claim, or a whole one whose move fails, is
-    left interior like it (a transformer's layers compute alike: what the search did not find in one it does
-    not find in the next)."""
+    not is searched for alone, as any other op. An op whose counterpart has no claim is not searched, nor
+    one whose counterpart's claim is whole over groups: it is left interior like its counterpart (microbatches
+    and a transformer's layers compute alike: what the search did not find in one it does not find in the
+    next)."""
     matcher = _Matcher(plan, runs, eligible)
     names, ids = plan.rank_programs()
     nodes: dict[str, dict[str, Node]] = {n: {node.name: node for node in plan.programs[n].nodes} for n in names}
