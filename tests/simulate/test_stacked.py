@@ -56,3 +56,42 @@ def test_a_stacked_form_that_mixes_the_runs_is_caught_and_the_runs_are_made_one_
     alone = run_concrete(plan, dims, logical=points[-1])[0]
     assert all(np.array_equal(runs[-1].ranks[r][n], v, equal_nan=True)
                for r, values in enumerate(alone.ranks) for n, v in values.items())
+
+
+NODES = [   # (op, attributes, argument shapes, result shape): each stacked form against the runs one by one
+    ("expand", {"size": [2, 3, 4]}, [(3, 1)], (2, 3, 4)),
+    ("expand", {"size": [-1, 4]}, [(3, 1)], (3, 4)),
+    ("addmm", {}, [(4,), (3, 2), (2, 4)], (3, 4)),
+    ("add", {}, [(3, 4), (4,)], (3, 4)),
+    ("where", {}, [(3, 1), (4,), (3, 4)], (3, 4)),
+    ("unsqueeze", {"dim": 1}, [(3, 4)], (3, 1, 4)),
+    ("unsqueeze", {"dim": 2}, [(3, 4)], (3, 4, 1)),
+    ("sum", {"dims": [], "keepdim": False}, [(3, 4)], ()),
+    ("sum", {"dims": [0], "keepdim": True}, [(3, 4)], (1, 4)),
+    ("mean", {"dims": [1, 0], "keepdim": False}, [(3, 4)], ()),
+    ("amax", {"dims": [0], "keepdim": False}, [(3, 4)], (4,)),
+    ("transpose", {"dim0": 0, "dim1": 1}, [(3, 4)], (4, 3)),
+    ("view", {"size": [-1]}, [(3, 4)], (12,)),
+    ("slice", {"dim": 0, "start": 1, "end": 3, "step": 1}, [(3, 4)], (2, 4)),
+    ("slice_backward", {"input_size": [5, 4], "dim": 0, "start": 1, "end": 4, "step": 1}, [(3, 4)], (5, 4)),
+    ("squeeze", {"dim": 0}, [(1, 4)], (4,)),
+    ("cat", {"dim": 0}, [(3, 4), (2, 4)], (5, 4)),
+    ("_softmax", {"dim": 0}, [(3, 4)], (3, 4)),
+    ("mm", {}, [(3, 2), (2, 4)], (3, 4)),
+    ("bmm", {}, [(2, 3, 2), (2, 2, 4)], (2, 3, 4)),
+]
+
+
+@pytest.mark.parametrize("op, attrs, shapes, shape", NODES, ids=[f"{n[0]}-{n[1]}" for n in NODES])
+def test_each_stacked_form_is_the_op_run_by_run(op, attrs, shapes, shape):
+    from tv_ray.ir import Node
+    from tv_ray.semantics import Context, eval_node
+    from tv_ray.semantics.interpret import instantiated
+    node = Node.make("y", op, [f"x{i}" for i in range(len(shapes))], attrs, shape=list(shape))
+    at = instantiated(node, {})
+    runs = np.random.default_rng(0).normal(size=(3, len(shapes), 5 * 3 * 4))
+    args = [np.stack([run[i][:int(np.prod(s))].reshape(s) for run in runs]) for i, s in enumerate(shapes)]
+    got = batched.batched(node, args, at.attrs, at.shape, at.concrete, Context())
+    assert got is not None
+    alone = np.stack([eval_node(node, [a[r] for a in args], {}, Context(), at) for r in range(3)])
+    assert got.shape == alone.shape == (3, *shape) and np.array_equal(got, alone)

@@ -8,7 +8,7 @@ numpy expression with the stack's axis in front:
 
 - elementwise ops (and addmm's bias): each argument's axes aligned after the
   stack's (numpy aligns trailing axes, so a bias of rank 1 would meet the stack's
-  axis otherwise);
+  axis otherwise), and so an expand's input where it adds dims;
 - matrix products: numpy's matmul treats leading axes as a batch;
 - ops that name dims (views, slices, reductions, softmax, concatenation): each
   dim counted from the end, which a leading axis does not move, and a stated
@@ -69,13 +69,15 @@ def batched(node: Node, args: list[np.ndarray], attrs: dict, shape: tuple[int, .
     """`node` evaluated on `args` stacked along axis 0 (`attrs`, `shape`: its attributes and stated shape at the
     runs' dims, `concrete` its rule), or None where it is evaluated run by run: an op of neither kind above, or
     one whose input has no dims."""
-    runs = args[0].shape[0] if args else 0
-    if node.op in ALIGNED and args:
-        rank = len(shape) + 1
-        aligned = [a.reshape((runs,) + (1,) * (rank - a.ndim) + a.shape[1:]) if a.ndim < rank else a for a in args]
-        return np.asarray(concrete(aligned, attrs, ctx))
+    if not args:
+        return None
+    runs, rank = args[0].shape[0], len(shape) + 1
+    if node.op in ALIGNED or node.op is Op.EXPAND:      # an expand's new dims go after the stack's too
+        args = [a.reshape((runs,) + (1,) * (rank - a.ndim) + a.shape[1:]) if a.ndim < rank else a for a in args]
+    if node.op in ALIGNED:
+        return np.asarray(concrete(args, attrs, ctx))
     lift = LIFTED.get(node.op)
-    if lift is None or not args or args[0].ndim < 2:
+    if lift is None or args[0].ndim < 2:
         return None
     return np.asarray(concrete(args, lift(attrs, args[0].ndim - 1, runs), ctx))
 
