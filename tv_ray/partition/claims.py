@@ -30,6 +30,7 @@ from collections import Counter
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from fractions import Fraction
+from functools import partial
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
@@ -839,16 +840,18 @@ class _Guides:
         self.placed = placed
 
     def of(self, program: str, node: Node) -> tuple[str, Callable] | None:
+        """(the counterpart, the move of its claim) of an op of `program`, or None for an op without one."""
         base = self.microbatches[program].get(node.name) if self.microbatches else None
         if base is not None:
-            k = node.get_meta("mb")
-            return base, lambda claim: self.blocks.move(claim, k)
+            return base, partial(self.blocks.move, k=node.get_meta("mb"))
         paired = self.layers[program].get(node.name)
-        if paired is None:
-            return None
-        images = self.images[paired[1]]
-        return paired[0], lambda claim: claim if claim.logical not in self.placed else \
-            claim.on(images[claim.logical]) if claim.logical in images else None
+        return None if paired is None else (paired[0], partial(self._layer_move, self.images[paired[1]]))
+
+    def _layer_move(self, images: dict[str, str], claim: Claim) -> Claim | None:
+        if claim.logical not in self.placed:
+            return claim                # a tensor outside the layers: every layer's
+        image = images.get(claim.logical)
+        return None if image is None else claim.on(image)
 
 
 __all__ = ["Claim", "Claims", "stated_claims", "ConcreteRun", "run_concrete", "infer_claims", "output_claims", "interior_claims",

@@ -113,7 +113,7 @@ class LayerShift:
         layered = frozenset(placed)
         renames: dict[str, str] = {}
         for x, y in images.items():
-            a, b = specs.get(x) or nodes[x], specs.get(y) or nodes[y]
+            a, b = (specs[x], specs[y]) if x in specs else (nodes[x], nodes[y])
             if a.shape == b.shape and a.dtype == b.dtype and _renamed_value(logical, x, y):
                 renames[x] = y
         alike = set()

@@ -128,18 +128,10 @@ def _register_binary(op: Op, fn: Callable, result: Callable[[str, str], str]) ->
     def dtype(dtypes, attrs):
         return result(*_operand_dtypes(dtypes, attrs, op))
 
-    results: dict[tuple, object] = {}     # the two tensors' dtypes -> the result's numpy dtype
-
     def concrete(xs, attrs, ctx):
         x, y = _operands(xs, attrs, op)
         out = np.asarray(fn(x, y, attrs))
-        operands = tuple(v.dtype if isinstance(v, np.ndarray) else type(v) for v in xs)
-        result = results.get(operands) if "other" not in attrs else None     # a scalar's dtype is its value's
-        if result is None:
-            result = numpy_dtype(dtype([dtype_name(v) for v in xs], attrs))
-            if "other" not in attrs:
-                results[operands] = result
-        return out.astype(result, copy=False)
+        return out.astype(numpy_dtype(dtype([dtype_name(v) for v in xs], attrs)), copy=False)
 
     rule(op, shape=_binary_shape(op), dtype=dtype, concrete=concrete)
 
