@@ -294,8 +294,9 @@ def test_a_verify_a_check_and_a_save_run_with_the_collector_paused_and_restore_i
     assert seen == [False, False, False] and gc.isenabled()
 
 
-def test_keys_re_proved_in_two_processes_give_the_same_report_and_name_the_same_failing_key(cert, monkeypatch):
+def test_keys_re_proved_in_two_processes_give_the_same_report_and_name_the_same_failing_key(normalised, monkeypatch):
     import tv_ray.certificate.check as check
+    cert = normalised
     one, two = check_certificate(cert), check_certificate(cert, workers=2)
     assert two.methods == one.methods and two.methods.get("smt", 0) > 0
     assert (two.resolved, two.different_method, two.unique) == (one.resolved, one.different_method, one.unique) \

@@ -150,9 +150,9 @@ def test_a_plan_without_a_recipe_is_proved_against_its_own_logical_graph(plan):
         f"labelled 'llama3-tiny'")
 
 
-def test_a_check_that_re_proves_only_by_the_recorded_method_fails_unless_allowed(certified, monkeypatch, capsys):
+def test_a_check_that_re_proves_only_by_the_recorded_method_fails_unless_allowed(normalised, monkeypatch, capsys):
     import tv_ray.certificate.check as check
-    out, _ = certified
+    out = normalised
     monkeypatch.setattr(check, "_by_smt", lambda lhs, rhs, solvers, timeout_s: "no SMT solver here")
     with pytest.raises(CertificateError, match=r"was re-proved only by its recorded method normalised \(smt: no SMT "
                                                r"solver here\): the check is not independent for it; give other "

@@ -86,3 +86,23 @@ def test_mutant_is_refuted_where_the_bug_is(plan, cls):
         assert "factor" not in stage, stage.get("factor")
     else:
         assert stage["factor"].startswith(factor), stage["factor"]
+
+
+def test_a_loss_divided_by_the_local_token_count_is_refuted_at_the_loss(plan):
+    """The forward's loss divided by each dp rank's own token count (before the all-reduce): the loss comes out
+    dp× too large. The mean loss is a contribution sum over the dp blocks, proved as "microbatch 0's part on
+    dp block 0 equals block 0's losses over the whole batch's count", so the wrong divisor is caught there."""
+    from tests.engine.mutants import _set_args, edit, node, with_program
+    change = {}
+    for mb in (0, 1):
+        old = node(plan, "stage1", f"nll_loss_forward@{mb}")
+        assert old.args[1] == "nll_loss_forward.total~2"       # the count all-reduced over dp
+        change[old.name] = _set_args(old, old.args[0], "nll_loss_forward.total~1")
+    mutant = with_program(plan, "stage1", edit(plan.programs["stage1"], "stage1", change=change))
+    check_plan(mutant)
+    outcome = verify_plan(mutant, progress=False)
+    assert outcome.status == "refuted", _describe(outcome)
+    first = outcome.first_refuted()
+    assert (first.ranks, first.tensor, first.claim.logical) == ((4, 5, 6, 7), "nll_loss_forward~1",
+                                                                "nll_loss_forward"), _describe(outcome)
+    assert diagnose(outcome)["stage"]["factor"].startswith("physical = 2 × logical"), diagnose(outcome)["stage"]

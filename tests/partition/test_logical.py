@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from tv_ray import api
+from tv_ray.ir import Op
 from tv_ray.partition import logical as logical_module
 from tv_ray.partition.logical import LogicalTerms
 from tv_ray.partition.symmetry import Blocks
@@ -119,10 +120,36 @@ def test_every_blocks_contribution_summed_is_the_whole_definition(model):
         if node.args[0] in lt.contributions:            # a view or copy of one
             assert set(summed(name).reshape(-1)) <= set(summed(node.args[0]).reshape(-1)), name
             views += 1
+        elif node.op is Op.NLL_LOSS:                    # a mean's blocks sum to another term: the test below
+            summed(name)
         else:
             whole = lt.definition_at(name, tuple(slice(0, n) for n in lt.shape_of(name)) + (Ellipsis,))
             assert all(a is b for a, b in zip(summed(name).reshape(-1), whole.reshape(-1))), name
     assert views and set(lt._parts) == lt.contributions
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_mean_losss_contribution_is_its_blocks_losses_over_the_whole_batchs_count(masked):
+    """A loss averaged over the batch is a contribution sum: block 0's summed losses over the whole batch's count
+    (some targets ignored or none), renamed to every block and summed, is the loss's definition (proved by the
+    normaliser); each block's own mean summed — its losses over its own count — is not (refuted at a random
+    point)."""
+    from tv_ray.semantics.symbolic import eval_symbolic
+    from tv_ray.terms import Proved, prove_equal, sum_
+    from tv_ray.terms.random_point import refute
+    graph = api.capture_step("llama3-tiny", masked=masked)
+    plan = api.parallelize(graph, "dp=2", model="llama3-tiny")
+    dims = reduce_plan(plan).reduced
+    lt = LogicalTerms.build(graph, dims, Blocks.of(graph, dims, 4))
+    [name] = [n for n in lt.contributions if lt.nodes[n].op is Op.NLL_LOSS]
+    assert lt.nodes[name].attr["reduction"] == "mean" and lt.atomic(name)      # its value its atom
+    loss = lt.definition_at(name, (Ellipsis,)).reshape(-1)[0]
+    summed = lt.contribution_of(name, (Ellipsis,), 4).reshape(-1)[0]
+    assert isinstance(prove_equal(summed, loss), Proved)
+    node = lt.nodes[name]
+    own = eval_symbolic(node, [lt.full(a) for a in node.args], lt.blocks.small).reshape(-1)[0]
+    means = sum_([own] + [lt.blocks.rename(np.asarray([own], dtype=object), b)[0] for b in range(1, 4)])
+    assert refute(means, loss).verdict == "refuted"
 
 
 def test_a_tensor_unfolding_brought_in_is_unfolded_where_the_other_side_computed_it():

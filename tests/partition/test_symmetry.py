@@ -18,6 +18,7 @@ from tv_ray.ir import Graph, Node
 from tv_ray.partition import generate
 from tv_ray.partition.derive import Settings, claims_for, derive, derive_claims, unmirrored
 from tv_ray.partition.generate import partition
+from tv_ray.partition.ids import StageId
 from tv_ray.partition.logical import LogicalTerms, atoms
 from tv_ray.partition.stages import Mirrored, SymbolicRun
 from tv_ray.terms import Kind
@@ -112,23 +113,27 @@ def test_mirrored_ranks_give_the_same_stages_as_running_every_rank(dp4):
     assert sorted((o.id, o.ranks, o.claim) for o in full.obligations) == \
         sorted((o.id, o.ranks, o.claim) for o in everyone)
     # the same reads, but where a contribution sum is proved as dp block 0's part: block 0's members' reads alone,
-    # which the mirrors' (their copies) stand for in the composition (`Partition.representative`)
+    # which the mirrors' (their copies) stand for in the composition (`Partition.representative`) — and for the
+    # mean loss, the targets of every block, which its divisor, the whole batch's count, reads
     by_id = {o.id: o for o in everyone}
     fewer = [o for o in full.obligations if set(o.reads) != set(by_id[o.id].reads)]
     assert fewer and all(o.claim.partial == ("dp",) for o in fewer)
     for o in fewer:
         mine = set(by_id[o.id].reads)
-        assert mine < set(o.reads) and all(mirrored.mirrors.block[r] == 0 for cid in mine for r in cid.ranks)
+        others = {cid for cid in mine if any(mirrored.mirrors.block[r] for r in cid.ranks)}
+        assert mine < set(o.reads) and all(cid == StageId.input(cid.ranks[0], "targets") for cid in others)
+        assert not others or o.tensor == "nll_loss_forward"
         assert {mirrored.representative(r) for r in o.reads} == {mirrored.representative(r) for r in mine}
     differ = [(a.op, a.claim) for a, b in zip(sorted(full.obligations, key=lambda o: o.id),
                                               sorted(everyone, key=lambda o: o.id)) if a.key != b.key]
-    # only the weight gradients summed over dp differ: each rank's part (and its transposes) is proved as its
-    # block's contribution and continues from it, not from a free split of the sum; their all-reduce is the
-    # slice's atoms both ways (every block's contribution, or the free parts, summed)
+    # only the sums over dp differ (the weight gradients, the token count, the loss: its div by the count): each
+    # rank's part (and its transposes) is proved as its block's contribution and continues from it, not from a
+    # free split of the sum; their all-reduce is the slice's atoms both ways (every block's contribution, or the
+    # free parts, summed)
     contribution = LogicalTerms.build(plan.logical, dims, mirrored.mirrors.blocks).contributions
     assert all(claim.logical in contribution and claim.partial == ("dp",) for op, claim in differ)
     assert Counter(op for op, _ in differ) == {"transpose": 30, "mm": 15, "sum": 5, "view": 5,
-                                               "embedding_dense_backward": 1, "nll_loss_total_weight": 1}
+                                               "embedding_dense_backward": 1, "nll_loss_total_weight": 1, "div": 1}
 
 
 def test_mirrored_ranks_compute_nothing_past_their_weight_gradients(dp4):
@@ -147,7 +152,7 @@ def test_mirrored_ranks_compute_nothing_past_their_weight_gradients(dp4):
     logical = LogicalTerms.build(plan.logical, dims, found.blocks)
     run = Watched(plan, dims, logical, claims, found)
     run.run()
-    assert sorted(found.rep) == [1, 2, 3] and computed == {"full_like": 3}    # each one's ones_like (shape only)
+    assert sorted(found.rep) == [1, 2, 3] and not computed      # (the loss too: its ones_like mirrored)
     # the all-reduce of every block's contribution is the gradient's own atoms, not a sum of dp renamings
     reduced = [ob for ob in run.obligations if ob.op == "all_reduce" and ob.claim.logical in logical.contributions]
     assert len(reduced) == 22

@@ -35,7 +35,7 @@ import numpy as np
 from tv_ray.ir import Graph, Node, Op
 from tv_ray.ir.ops import VIEWS
 from tv_ray.partition.symmetry import Blocks
-from tv_ray.semantics.symbolic import INF, NEG_INF, STRUCTURAL, choice, eval_symbolic
+from tv_ray.semantics.symbolic import INF, NEG_INF, STRUCTURAL, choice, eval_symbolic, nll_rows, nll_total_weight
 from tv_ray.semantics.table import instantiate_shape
 from tv_ray.terms import Kind, Term, const, mul, sum_
 from tv_ray.terms.term import grid_vars
@@ -274,12 +274,17 @@ class LogicalTerms:
 
     def contribution(self, name: str) -> np.ndarray:
         """Block 0's part of a contribution sum, built when first asked (most are never: a stage keyed by its
-        template builds no formula): the gathering op on its arguments' block-0 values, or a view of a
-        contribution sum applied to that sum's part."""
+        template builds no formula): the gathering op on its arguments' block-0 values (a mean nll_loss: block 0's
+        summed losses over the whole batch's count), or a view of a contribution sum applied to that sum's part."""
         found = self._parts.get(name)
         if found is None:
             node = self.nodes[name]
-            if self._gathers(node):
+            if node.op is Op.NLL_LOSS and node.attr["reduction"] == "mean":
+                # each block's losses over the whole batch's count (`Blocks.sums`)
+                ignore = node.attr["ignore_index"]
+                found = np.asarray(sum_(nll_rows(self.full(node.args[0]), self.full(node.args[1]), ignore)) /
+                                   nll_total_weight(self.whole(node.args[1]), ignore), dtype=object)
+            elif self._gathers(node):
                 found = eval_symbolic(node, [self.full(a) for a in node.args], self.blocks.small)
             else:
                 found = eval_symbolic(node, [self.contribution(node.args[0])], self.dims)
@@ -317,7 +322,8 @@ class LogicalTerms:
 
     def element_definition(self, name: str, idx: tuple[int, ...]) -> Term:
         """The definition of one element (any block)."""
-        return self._at(name, "definition", tuple(slice(i, i + 1) for i in idx)).reshape(-1)[0]
+        found = self._at(name, "definition", tuple(slice(i, i + 1) for i in idx))
+        return found.reshape(-1)[0] if isinstance(found, np.ndarray) else found     # (a 0-d one's: the element)
 
     def derives_from(self, tensor: str, others: set[str]) -> bool:
         """Is `tensor` computed from one of `others` by rearrangements (views, copies, slices, cat) and at most

@@ -29,8 +29,12 @@ Two things rest on it:
 
 A logical op whose output has no batch dimension but whose inputs do is a
 *contribution sum* when it adds up one term per sample (mm and bmm over the
-batch, sum over it, embedding backward, nll total weight): its value is the
-sum over blocks of the op applied to each block (`Blocks.sums`).
+batch, sum over it, embedding backward, nll total weight, nll_loss summed or
+averaged): its value is the sum over blocks of the op applied to each block
+(`Blocks.sums`) — for a mean nll_loss, of each block's summed losses divided by
+the whole batch's count (Σ_b S_b / T = (Σ_b S_b) / T, and T, a sum over every
+sample, is fixed by every permutation of samples), the divisor every
+data-parallel rank must use.
 """
 from __future__ import annotations
 
@@ -208,7 +212,7 @@ def _product_tag(op: Op, x: Tag | None, y: Tag | None) -> Tag | None | str:
     return f"{op} operands hold samples on dims that do not line up"
 
 
-CONTRIBUTION_SUMS = frozenset({Op.MM, Op.BMM, Op.SUM, Op.EMBEDDING_BACKWARD, Op.NLL_LOSS_TOTAL_WEIGHT})
+CONTRIBUTION_SUMS = frozenset({Op.MM, Op.BMM, Op.SUM, Op.EMBEDDING_BACKWARD, Op.NLL_LOSS_TOTAL_WEIGHT, Op.NLL_LOSS})
 
 
 @dataclass

@@ -604,22 +604,31 @@ def _pick(row: Sequence[Term], t) -> Term:
 
 @register(Op.NLL_LOSS)
 def _nll_loss(node, xs, attrs, ctx):
-    logp, target = as_dtype(xs[0], "float"), xs[1]
-    if logp.ndim != 2:
-        raise SymbolicError("nll_loss over more than 2 dims has no symbolic rule")
-    ignore = attrs["ignore_index"]
-    rows = [-_pick(list(logp[i]), target[i]) * _weight(target[i], ignore) for i in range(logp.shape[0])]
+    rows = nll_rows(xs[0], xs[1], attrs["ignore_index"])
     if attrs["reduction"] == "none":
         return np.asarray(rows + [None], dtype=object)[:-1]
     total = sum_(rows)
     if attrs["reduction"] == "mean":
-        total = total / sum_([_weight(t, ignore) for t in target])
+        total = total / nll_total_weight(xs[1], attrs["ignore_index"])
     return np.asarray(total, dtype=object)
+
+
+def nll_rows(logp: np.ndarray, target: np.ndarray, ignore: int) -> list[Term]:
+    """Each row's loss: minus its target's log-probability, 0 where the target is `ignore`."""
+    logp = as_dtype(logp, "float")
+    if logp.ndim != 2:
+        raise SymbolicError("nll_loss over more than 2 dims has no symbolic rule")
+    return [-_pick(list(logp[i]), target[i]) * _weight(target[i], ignore) for i in range(logp.shape[0])]
+
+
+def nll_total_weight(target: np.ndarray, ignore: int) -> Term:
+    """How many targets are not `ignore`: a mean nll_loss's divisor."""
+    return sum_([_weight(t, ignore) for t in target.reshape(-1)])
 
 
 @register(Op.NLL_LOSS_TOTAL_WEIGHT)
 def _nll_total(node, xs, attrs, ctx):
-    return np.asarray(sum_([_weight(t, attrs["ignore_index"]) for t in xs[0].reshape(-1)]), dtype=object)
+    return np.asarray(nll_total_weight(xs[0], attrs["ignore_index"]), dtype=object)
 
 
 @register(Op.NLL_LOSS_BACKWARD)
@@ -742,5 +751,5 @@ def eval_symbolic(node: Node, args: list[np.ndarray], dims, ctx: Context = Conte
     return out
 
 
-__all__ = ["Choice", "Position", "choice", "select", "to_term", "positions",
+__all__ = ["Choice", "Position", "choice", "select", "to_term", "positions", "nll_rows", "nll_total_weight",
            "eval_symbolic", "group_rule", "SymbolicError", "SYMBOLIC", "lift_int", "elementwise", "as_dtype"]
