@@ -85,3 +85,12 @@ def test_a_fault_tiny_in_absolute_terms_is_confirmed_against_the_values_it_moves
     result = api.verify(changed(base, _set_attrs(div, other=32.001)), engine="local", progress=False)
     assert result.status == "refuted", result.report.get("headline")
     assert result.report["stage"]["max_abs_dev"] < 1e-8
+
+
+def test_a_balance_loss_divided_by_a_wrong_count_is_refuted_at_the_division(base):
+    """The balance loss's mean over a rank's samples divided by 2 where the four data-parallel ranks' share is a
+    quarter: twice the balance loss, refuted at that division."""
+    (div,) = [n for n in base.programs["main"].nodes if n.op == Op.DIV and n.args[0].startswith("mean_9")]
+    assert div.attr["other"] == 4.0
+    headline = refuted_at(changed(base, _set_attrs(div, other=2.0)), div.name, "fwd", "layers.1.mlp")
+    assert "physical = 2 × logical" in headline, headline
