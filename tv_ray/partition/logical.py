@@ -228,7 +228,8 @@ class LogicalTerms:
             self.definition[name] = self._whole_definition(name)
         unmade = self._unmade.get(name) if kind == "value" else None
         if unmade is None:
-            take = (self.value if kind == "value" else self.definition)[name].__getitem__
+            held = (self.value if kind == "value" else self.definition)[name]
+            take = held.__getitem__ if held.ndim else lambda at: held    # (a 0-d array indexed by () is its element)
         else:               # the slice's atoms alone, made once (a weight's slice is read by every microbatch)
             def take(at: tuple) -> np.ndarray:
                 key = (name, _hashable(at))
@@ -322,8 +323,7 @@ class LogicalTerms:
 
     def element_definition(self, name: str, idx: tuple[int, ...]) -> Term:
         """The definition of one element (any block)."""
-        found = self._at(name, "definition", tuple(slice(i, i + 1) for i in idx))
-        return found.reshape(-1)[0] if isinstance(found, np.ndarray) else found     # (a 0-d one's: the element)
+        return self._at(name, "definition", tuple(slice(i, i + 1) for i in idx)).reshape(-1)[0]
 
     def derives_from(self, tensor: str, others: set[str]) -> bool:
         """Is `tensor` computed from one of `others` by rearrangements (views, copies, slices, cat) and at most
