@@ -10,7 +10,7 @@ simple one. The unmodified plan must be proved (a false alarm is a bug of ours).
 """
 import pytest
 
-from tests.engine.mutants import MUTANTS, Mutant, a4_control, base_plan
+from tests.engine.mutants import MUTANTS, Mutant, a4_control, base_plan, node
 from tv_ray.diagnose import diagnose
 from tv_ray.engine.driver import verify_plan
 from tv_ray.plan_check import check_plan
@@ -106,3 +106,19 @@ def test_a_loss_divided_by_the_local_token_count_is_refuted_at_the_loss(plan):
     assert (first.ranks, first.tensor, first.claim.logical) == ((4, 5, 6, 7), "nll_loss_forward~1",
                                                                 "nll_loss_forward"), _describe(outcome)
     assert diagnose(outcome)["stage"]["factor"].startswith("physical = 2 × logical"), diagnose(outcome)["stage"]
+
+
+def test_the_embedding_gradient_reduced_over_tp_instead_of_dp_is_refuted_where_it_is(plan):
+    """The embedding gradient, partial over dp × tp, all-reduced over tp where dp was meant, then split over tp:
+    each tp rank holds the tp pair's parts summed, so the split sums them twice and misses the other dp rank's.
+    The all-reduce over part of a partial claim's group is kept as a sum of free parts, not built, and a group
+    whose sums hold every part once is the slice identically (`SymbolicRun._sums_every_part`): a part held twice
+    must not pass for that."""
+    from tests.engine.mutants import reduced_over
+    reduction = node(plan, "stage0", "embedding_dense_backward~2")
+    assert reduction.attr["axes"] == ("dp",), reduction.attr
+    outcome = verify_plan(reduced_over(plan, reduction, ["tp"], "stage0"), progress=False)
+    assert outcome.status == "refuted", _describe(outcome)
+    first = outcome.first_refuted()
+    assert (first.ranks, first.tensor, first.phase) == ((0, 1), "embedding_dense_backward~2", "bwd"), \
+        _describe(outcome)

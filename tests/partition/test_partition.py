@@ -103,3 +103,39 @@ def test_an_all_reduce_of_a_partial_claims_own_parts_is_the_slice(monkeypatch):
     from tv_ray.engine.solve import solve
     changed = {o.key for o in computed.obligations} - {o.key for o in recognised.obligations}
     assert changed and all(solve(*computed.formulas[k]).verdict == "proved" for k in changed)
+
+
+def test_a_sum_over_part_of_a_partial_claims_group_is_kept_and_a_group_holding_every_part_once_is_the_slice(
+        monkeypatch):
+    """dp=2,tp=2: the embedding gradient is partial over dp × tp, all-reduced over dp, then split over tp. The dp
+    all-reduce adds two of the four free parts: kept as their sum, not built (`FreeSum`); the split's two members
+    hold the sums of parts {0, 2} and {1, 3}, every part once, so their sum is the slice identically and the stage
+    is the slice against itself, nothing summed (`_sums_every_part`). The stages are those of the sums built, and
+    the one whose formula changed is proved as it was."""
+    from tv_ray.engine.solve import solve
+    from tv_ray.partition.lazy import FreeSum
+    from tv_ray.partition.stages import SymbolicRun
+    plan = api.parallelize(api.capture_step("llama3-tiny", optim="adamw", clip=1.0), "dp=2,tp=2", model="llama3-tiny")
+    dims = reduce_plan(plan).reduced
+    claims = claims_for(plan, dims)[1]
+    every = SymbolicRun._sums_every_part
+    seen = []
+
+    def spy(self, claim, values):
+        found = every(self, claim, values)
+        if values and all(isinstance(v, FreeSum) for v in values):
+            seen.append((claim.logical, claim.partial, sorted(v.positions for v in values), found))
+        return found
+    monkeypatch.setattr(SymbolicRun, "_sums_every_part", spy)
+    kept = partition(plan, dims, claims)
+    assert seen == [("embedding_dense_backward", ("tp",), [(0, 2), (1, 3)], True)], seen
+    monkeypatch.setattr(SymbolicRun, "_sums_every_part", lambda self, claim, values: False)
+    monkeypatch.setattr(SymbolicRun, "_summed_subgroup", lambda self, node, members, values: None)
+    built = partition(plan, dims, claims)
+    assert [(o.id, o.reads, o.claim) for o in kept.every()] == [(o.id, o.reads, o.claim) for o in built.every()]
+    changed = [(a, b) for a, b in zip(kept.every(), built.every()) if a.key != b.key]
+    assert changed and {a.claim.logical for a, _ in changed} == {"embedding_dense_backward"}
+    for a, b in changed:
+        lhs, rhs = kept.formulas[a.key]
+        assert all(x is y for x, y in zip(lhs, rhs))
+        assert solve(*built.formulas[b.key]).verdict == "proved"

@@ -12,10 +12,15 @@ built from, and built the first time anything asks for their terms:
 - `Contribution`: what a dp group member continues from after a contribution
   sum across the dp blocks, its block's contribution;
 - `Free`: what a group member continues from after a partial claim, its free
-  part.
+  part;
+- `FreeSum`: a sum all-reduce of such parts over a subgroup of the claim's
+  group (a dp all-reduce of a gradient partial over dp × tp).
 
 Building one later gives the terms building it at once would have given (the
-same op on the same values), so a lazy value changes no stage, key or read.
+same op on the same values), so a lazy value changes no stage, key or read —
+but one: a group whose members' `FreeSum`s hold every part of their claim
+once is its slice identically, and that stage is the slice against itself
+rather than the parts' sum collected back to it (a key, not a verdict, changes).
 Microbatch renamings (`Moved`, `Accumulated`) are lazy too, but of another
 kind: `tv_ray.partition.microbatches`.
 """
@@ -28,7 +33,7 @@ import numpy as np
 from tv_ray.errors import TvRayError
 from tv_ray.ir import Node
 from tv_ray.partition.ids import StageId
-from tv_ray.semantics.symbolic import eval_symbolic
+from tv_ray.semantics.symbolic import eval_symbolic, reduce_members
 
 if TYPE_CHECKING:       # (claims pair microbatches, whose renaming reads a lazy value)
     from tv_ray.partition.claims import Claim
@@ -111,9 +116,29 @@ class Free:
         return self.real
 
 
-LATER = (Continued, Deferred, Contribution, Free)
+class FreeSum:
+    """A sum all-reduce's result where each member brought its own free part (`Free`) of one partial claim and the
+    group is part of the claim's group (`SymbolicRun._summed_subgroup`): the parts at `positions` summed, built when
+    read. Where the members of a later group each hold such a sum and together every part once, their sum is the
+    claim's slice identically (`SymbolicRun._sums_every_part`): nothing is built."""
+
+    __slots__ = ("run", "cid", "claim", "positions", "size", "shape", "real")
+
+    def __init__(self, run: "SymbolicRun", cid: StageId, claim: "Claim", positions: tuple[int, ...], size: int):
+        self.run, self.cid, self.claim, self.positions, self.size = run, cid, claim, positions, size
+        self.shape, self.real = claim.shape, None
+
+    def terms(self) -> np.ndarray:
+        if self.real is None:
+            self.real = reduce_members([self.run._free_terms(self.cid, self.claim, p, self.size)
+                                        for p in self.positions], "sum")
+            self.run = None
+        return self.real
+
+
+LATER = (Continued, Deferred, Contribution, Free, FreeSum)
 # a value of the rank's own terms, built or not: no mirrored rank's, no renaming of microbatch 0's, no contribution
-COMPUTED = (np.ndarray, Continued, Deferred, Free)
+COMPUTED = (np.ndarray, Continued, Deferred, Free, FreeSum)
 
 
 def terms_of(value):
@@ -121,4 +146,4 @@ def terms_of(value):
     return value.terms() if isinstance(value, LATER) else value
 
 
-__all__ = ["Continued", "Deferred", "Contribution", "Free", "LATER", "COMPUTED", "terms_of"]
+__all__ = ["Continued", "Deferred", "Contribution", "Free", "FreeSum", "LATER", "COMPUTED", "terms_of"]

@@ -50,7 +50,7 @@ from tv_ray.ir.ops import COLLECTIVES
 from tv_ray.partition.claims import Claim
 from tv_ray.partition.keys import content_digests, formula_key
 from tv_ray.partition.layers import LayerRenamed
-from tv_ray.partition.lazy import COMPUTED, Continued, Contribution, Deferred, Free, terms_of
+from tv_ray.partition.lazy import COMPUTED, Continued, Contribution, Deferred, Free, FreeSum, terms_of
 from tv_ray.partition.logical import LogicalTerms, atoms, scaled
 from tv_ray.partition.ids import NOTHING, Part, StageId
 from tv_ray.partition.microbatches import LAZY, Accumulated, CopyIndex, Moved, Renamed, Shifts, place
@@ -532,19 +532,53 @@ class SymbolicRun(StandIns, Renamed, LayerRenamed, Scheduler):
             summed = Claim(summed.logical, summed.offsets, summed.shape, scale=summed.scale)
             results = [self.logical.claimed(summed) for _ in members]
             self._group_made = {m: leaf(summed) for m in members} if self.templates is not None else {}
+        elif (sub := self._summed_subgroup(node, members, values)) is not None:
+            results = [sub for _ in members]        # (as `group_rule` gives every member its one sum)
+            self._collective_made(node, members, mirrored)
         else:
             values = [terms_of(v) for v in values]
             for i in mirrored:
                 values[i] = self._mirror(members, values, members[i], at)
             results = list(group_rule(node.op, values, node.attr))
-            if self.templates is not None and not mirrored and not self.virtual.intersection(members):
-                made = [self.provenance.get((m, self._at(m).args[0])) for m in members]
-                self._group_made = {m: self.templates.collective(node, made, i) for i, m in enumerate(members)}
+            self._collective_made(node, members, mirrored)
         slots: dict[int, tuple[bool, bool]] = {}
         for i, m in enumerate(members):
             if m in self.mirrored:
                 results[i] = self._as_mirror(at, results, m, slots)
         return results
+
+    def _collective_made(self, node: Node, members, mirrored: list[int]) -> None:
+        """Each member's provenance of a collective's result computed from its members' values (no mirrored one)."""
+        if self.templates is not None and not mirrored and not self.virtual.intersection(members):
+            made = [self.provenance.get((m, self._at(m).args[0])) for m in members]
+            self._group_made = {m: self.templates.collective(node, made, i) for i, m in enumerate(members)}
+
+    def _summed_subgroup(self, node: Node, members, values) -> FreeSum | None:
+        """The members' free parts of one partial claim summed, not built, where a sum all-reduce over part of the
+        claim's group adds them up, each member bringing its own (a dp all-reduce of a gradient partial over
+        dp × tp); None for any other collective."""
+        if node.op != Op.ALL_REDUCE or node.attr.get("reduce") != "sum":
+            return None
+        hits = [self._free.get(id(v)) for v in values]
+        if any(h is None or h[0]() is not v for h, v in zip(hits, values)):
+            return None
+        first = values[0]
+        group = hits[0][2]
+        if any(v.cid != first.cid or h[2] != group or h[1] != first.claim for h, v in zip(hits, values)) or \
+                len({h[3] for h in hits}) != len(hits) or not set(members) < set(group):
+            return None
+        return FreeSum(self, first.cid, first.claim, tuple(h[3] for h in hits), first.size)
+
+    def _sums_every_part(self, claim: Claim, values) -> bool:
+        """Do the values (`FreeSum`s) hold, between them, every free part of one partial claim once — so that
+        their sum is its slice identically (its last part is the slice minus the others) — and is that slice this
+        claim's?"""
+        if not values or not all(type(v) is FreeSum for v in values):
+            return False
+        first = values[0]
+        positions = [p for v in values for p in v.positions]
+        return all(v.cid == first.cid and v.claim == first.claim for v in values) and \
+            sorted(positions) == list(range(first.size)) and _whole(first.claim) == _whole(claim)
 
     def _summed_contributions(self, node: Node, members, values) -> Contribution | None:
         """Block 0's contribution when a group spanning the dp blocks (`_spans_blocks`) sums it and its
@@ -594,8 +628,10 @@ class SymbolicRun(StandIns, Renamed, LayerRenamed, Scheduler):
         rep = self.mirrors.image[self.mirrors.block[rank]][rank]
         if rep not in at:
             raise Asymmetric(f"{self.plan.describe(rank)} meets a group without its representative")
-        mine, theirs = results[at[rank]].reshape(-1), results[at[rep]].reshape(-1)
         shape = results[at[rank]].shape
+        if type(results[at[rank]]) is FreeSum and results[at[rank]] is results[at[rep]]:
+            return Mirrored(shape, same=True)       # the very same sum of free parts, which it names
+        mine, theirs = results[at[rank]].reshape(-1), results[at[rep]].reshape(-1)
         if rep not in slots:         # once per representative: does its result name parts, read samples?
             slots[rep] = self.mirrors.reads(theirs)
         named, renamed = slots[rep]
@@ -1153,13 +1189,19 @@ class SymbolicRun(StandIns, Renamed, LayerRenamed, Scheduler):
                 self._keyed(found[1])
                 return
         rhs = self.logical.contribution_of(claim.logical, claim.slices(), width) if width else None
-        values = [as_dtype(self._real(v), "float") for v in values]
-        lhs = [sum_([v[idx] for v in values]) for idx in np.ndindex(claim.shape)]
-        if rhs is None and _logical_atoms(lhs, self.logical) == {claim.logical}:
-            # computed from the claimed tensor's own atoms (a copy, a received slice, a group's parts summed):
-            # the claim is that they equal those atoms — no need to unfold its definition (for a weight
-            # gradient that is a sum over every sample of the batch)
+        if rhs is None and self._sums_every_part(claim, values):
+            # every free part of one partial claim of this slice, once: their sum is the slice identically, and
+            # the claim is that it is (a gradient partial over dp × tp summed over dp, then split over tp)
             rhs = self.logical.claimed(claim)
+            lhs = [rhs[idx] for idx in np.ndindex(claim.shape)]
+        else:
+            values = [as_dtype(self._real(v), "float") for v in values]
+            lhs = [sum_([v[idx] for v in values]) for idx in np.ndindex(claim.shape)]
+            if rhs is None and _logical_atoms(lhs, self.logical) == {claim.logical}:
+                # computed from the claimed tensor's own atoms (a copy, a received slice, a group's parts summed):
+                # the claim is that they equal those atoms — no need to unfold its definition (for a weight
+                # gradient that is a sum over every sample of the batch)
+                rhs = self.logical.claimed(claim)
         if rhs is None:
             defined = scaled(self.logical.definition_at(claim.logical, claim.slices()), claim.scale)
             rhs = [defined[idx] for idx in np.ndindex(claim.shape)]
@@ -1266,6 +1308,11 @@ def _positions(members) -> dict[int, int]:
 
 def _kind(value) -> str:
     return "computed" if not isinstance(value, Mirrored) else "same" if value.same else "renamed"
+
+
+def _whole(claim: Claim) -> tuple:
+    """What a claim's slice is, however it is split: its tensor, slice and scale."""
+    return claim.logical, claim.offsets, claim.shape, claim.scale
 
 
 def _identical(xs, ys) -> bool:
