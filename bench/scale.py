@@ -7,8 +7,9 @@
 
 A config is MODEL:LAYERS:SPEC:BATCH[:ZERO] (LAYERS overrides the model's depth: the sweeps over 4, 8, 16, 32
 layers; ZERO the ZeRO stage, 0 by default).
-Each (config, mode) runs in its own child process (their peaks do not add up): capture and plan, the claims,
-then the stages (`partition`, one process, whole: `--shards off`), AdamW and clipping on. Per row: wall seconds
+Each (config, mode) runs in its own child process (their peaks do not add up; the cyclic collector off, as in the
+`tv-ray` command): capture and plan, the claims, then the stages (`partition`, one process, whole: `--shards
+off`), AdamW and clipping on. Per row: wall seconds
 per phase, peak RSS, stages (obligations), stages keyed by template without being built, unique keys, and
 a digest of the stages (id, ranks, reads, claim, key) that must be the same in every mode, and one without the
 keys (`stages_digest`: the same stages, whatever formula each was keyed by). `templates` is today's
@@ -26,6 +27,7 @@ The first mode is compared with each other one (`side_by_side`).
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -216,6 +218,10 @@ def main() -> int:
     parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
+        # the collector off, as the `tv-ray` command runs (`tv_ray.cli.entry`): `partition` pauses it, and turned
+        # back on its first pass walked everything generation made (1.5 of 16.3 s at llama3-8b 32 layers) — a
+        # pass the command never makes, which the stages' seconds held
+        gc.disable()
         model, layers, spec, batch, mode, zero = args.child
         print(json.dumps(measure(model, int(layers), spec, int(batch), mode, int(zero))), flush=True)
         return 0
