@@ -137,5 +137,5 @@ def test_a_sum_over_part_of_a_partial_claims_group_is_kept_and_a_group_holding_e
     assert changed and {a.claim.logical for a, _ in changed} == {"embedding_dense_backward"}
     for a, b in changed:
         lhs, rhs = kept.formulas[a.key]
-        assert all(x is y for x, y in zip(lhs, rhs))
+        assert len(lhs) == len(rhs) and all(x is y for x, y in zip(lhs, rhs))
         assert solve(*built.formulas[b.key]).verdict == "proved"
