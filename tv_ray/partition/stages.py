@@ -553,20 +553,26 @@ class SymbolicRun(StandIns, Renamed, LayerRenamed, Scheduler):
             made = [self.provenance.get((m, self._at(m).args[0])) for m in members]
             self._group_made = {m: self.templates.collective(node, made, i) for i, m in enumerate(members)}
 
-    def _summed_subgroup(self, node: Node, members, values) -> FreeSum | None:
-        """The members' free parts of one partial claim summed, not built, where a sum all-reduce over part of the
-        claim's group adds them up, each member bringing its own (a dp all-reduce of a gradient partial over
-        dp × tp); None for any other collective."""
+    def _free_parts(self, node: Node, values) -> list[tuple] | None:
+        """Each value's record as a free part (`_part`: its claim, that claim's group, its position there) where a
+        sum all-reduce adds up free parts of one cut, each member bringing another; None for any other
+        collective."""
         if node.op != Op.ALL_REDUCE or node.attr.get("reduce") != "sum":
             return None
         hits = [self._free.get(id(v)) for v in values]
-        if any(h is None or h[0]() is not v for h, v in zip(hits, values)):
+        if any(h is None or h[0]() is not v for h, v in zip(hits, values)) or \
+                len({(v.cid, h[1], h[2]) for h, v in zip(hits, values)}) != 1 or len({h[3] for h in hits}) != len(hits):
+            return None
+        return hits
+
+    def _summed_subgroup(self, node: Node, members, values) -> FreeSum | None:
+        """The members' free parts of one partial claim summed, not built, where a sum all-reduce over part of the
+        claim's group adds them up (a dp all-reduce of a gradient partial over dp × tp); None for any other
+        collective."""
+        hits = self._free_parts(node, values)
+        if hits is None or not set(members) < set(hits[0][2]):
             return None
         first = values[0]
-        group = hits[0][2]
-        if any(v.cid != first.cid or h[2] != group or h[1] != first.claim for h, v in zip(hits, values)) or \
-                len({h[3] for h in hits}) != len(hits) or not set(members) < set(group):
-            return None
         return FreeSum(self, first.cid, first.claim, tuple(h[3] for h in hits), first.size)
 
     def _sums_every_part(self, claim: Claim, values) -> bool:
@@ -1100,15 +1106,10 @@ class SymbolicRun(StandIns, Renamed, LayerRenamed, Scheduler):
         """The claim whose parts a sum all-reduce adds up, each member bringing its own part (`_part`) over the
         claim's very group; None for any other collective. The parts sum to the slice identically — the last
         member's is the slice minus the others' — so the result is the slice's atoms."""
-        if node.op != Op.ALL_REDUCE or node.attr.get("reduce") != "sum":
+        hits = self._free_parts(node, values)
+        if hits is None or any(h[2] != members or h[3] != i for i, h in enumerate(hits)):
             return None
-        claims = set()
-        for i, v in enumerate(values):
-            hit = self._free.get(id(v))
-            if hit is None or hit[0]() is not v or hit[2] != members or hit[3] != i:
-                return None
-            claims.add(hit[1])
-        return claims.pop() if len(claims) == 1 else None
+        return hits[0][1]
 
     def _record_group(self, cid, members, state, node: Node, claim: Claim, values, reads, each: list,
                       made: list) -> None:
