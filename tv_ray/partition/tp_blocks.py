@@ -1,0 +1,249 @@
+"""Tensor-parallel block symmetry: which logical tensors are cut into tp blocks, and a proof that the logical step
+commutes with every permutation of those blocks.
+
+Tensor-parallel rank t holds block t of the heads and of the feed-forward
+columns where rank 0 holds block 0: the same program on other shards. For
+its stages to be rank 0's renamed (one proof serving both, DESIGN.md rule 8),
+the logical step must commute with the renaming σ_t that swaps block 0 and
+block t of every tensor so cut — the weights the plan splits over tp, and
+everything computed from them along the blocks. This module finds those
+tensors and proves it, op by op, from the graph alone (`TpBlocks.of`), as
+`tv_ray.partition.symmetry.Blocks.of` does for samples.
+
+A tensor's *tp tag* (`TpTag`) says where its blocks lie: element
+``idx`` belongs to block ``(idx[dim] // q) % period`` (``period`` = tp). The
+modulus covers a dimension that merges another one outside the blocks, as
+attention's batched products do: (batch · heads, seq, head_dim) holds, row
+``b · heads + h``, head ``h``'s block. Seeds are the plan's own layout: a
+logical input that lineage cuts on one dimension over tp alone, one chunk per
+rank. From them the tags are derived op by op (`derived_tag`), never from
+names or shapes:
+
+- elementwise ops, views, transposes, expands, slices and joins along other
+  dims carry a tag to the dim holding the block digit — a reshape keeps it
+  where the digit's stride lands on one dim (`_reshaped_tag`);
+- a matrix product carries its rows' or columns' tag; one that contracts over
+  blocks on both sides alike, and a sum over the blocks, is a *contribution
+  sum* (`TpBlocks.sums`): untagged, the sum over blocks of each block's share;
+- an op that reads along the blocks otherwise (a slice, softmax, top-k or
+  join along them, an embedding table cut into blocks, a loss's gather) or
+  mixes a tagged value with an untagged one of full extent there cannot be
+  shown to commute: the seeds that reached it are dropped and the derivation
+  runs again — so a vocabulary-parallel embedding or output layer (whose
+  blocks the token data index) stays untagged, and σ_t leaves its atoms alone.
+
+What holds then, by induction over the graph: for every tensor T and every
+value of the inputs, T computed from σ-permuted inputs is T's value with its
+elements permuted by σ on its tagged dim (untagged: the same value) — an
+elementwise op or view moves blocks with their elements, a contraction or
+sum over the blocks adds the same terms in another order. A stage of rank t
+whose claims are rank 0's moved from block 0 to block t on their tagged dims
+is therefore rank 0's stage with its variables renamed by σ_t, valid exactly
+when that one is — the renaming these tags are for, not made yet
+(docs/templates.md, "Tensor-parallel blocks").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tv_ray.errors import Asymmetric
+from tv_ray.ir import Graph, Node, Op
+from tv_ray.ir.ops import ELEMENTWISE
+from tv_ray.plan import Plan
+from tv_ray.semantics.shapes import norm_dim
+from tv_ray.semantics.table import instantiate_shape
+
+TP = "tp"
+RESHAPES = frozenset({Op.VIEW, Op.UNSQUEEZE, Op.SQUEEZE})
+ALONG = frozenset({Op.SLICE, Op.SLICE_BACKWARD, Op.SELECT, Op.CAT, Op.SOFTMAX, Op.LOG_SOFTMAX,
+                   Op.SOFTMAX_BACKWARD, Op.LOG_SOFTMAX_BACKWARD, Op.TOPK_MASK})     # ops reading along `dim`
+SUMS = frozenset({Op.SUM, Op.MEAN})
+
+
+@dataclass(frozen=True)
+class TpTag:
+    """Element ``idx`` of the tensor lies in tp block ``(idx[dim] // q) % period``."""
+
+    dim: int
+    q: int
+    period: int
+
+
+@dataclass
+class TpBlocks:
+    """The logical tensors cut into tp blocks (`tags`), proved to commute with permuting blocks (`of`)."""
+
+    tags: dict[str, TpTag]
+    count: int                                          # tp: the blocks
+    seeds: frozenset[str]                               # the plan's inputs the tags grew from
+    sums: set[str] = field(default_factory=set)         # untagged tensors summed over the blocks
+    dropped: dict[str, str] = field(default_factory=dict)   # seed -> the op that refused it, and why
+
+    @staticmethod
+    def of(plan: Plan, dims: dict[str, int]) -> "TpBlocks":
+        """The shard tags of `plan`'s logical graph at `dims`; Asymmetric when the plan has no tp axis or no
+        tensor keeps a tag."""
+        count = plan.axis_sizes.get(TP, 1)
+        if count < 2:
+            raise Asymmetric("no tp axis")
+        graph = plan.logical
+        shapes = {s.name: tuple(instantiate_shape(s.shape, dims)) for s in graph.inputs}
+        shapes |= {n.name: tuple(instantiate_shape(n.shape, dims)) for n in graph.nodes}
+        seeds = _seeds(plan, shapes, count)
+        dropped: dict[str, str] = {}
+        while True:
+            found = _derived(graph, shapes, seeds, count)
+            if isinstance(found, TpBlocks):
+                found.dropped = dropped
+                if not found.tags:
+                    raise Asymmetric("no logical tensor keeps a tp block: " +
+                                     "; ".join(f"{s}: {why}" for s, why in sorted(dropped.items())[:3]))
+                return found
+            refused, why = found
+            dropped |= {seed: why for seed in refused}
+            seeds = {s: t for s, t in seeds.items() if s not in refused}
+
+
+def _seeds(plan: Plan, shapes: dict[str, tuple[int, ...]], count: int) -> dict[str, TpTag]:
+    """The logical float inputs lineage cuts over tp alone on one dim, one chunk per rank, the same wherever it
+    does (an input also cut otherwise, or on two dims, is no seed)."""
+    inputs = {s.name for s in plan.logical.inputs if s.dtype == "float"}
+    found: dict[str, TpTag | None] = {}
+    for entry in tuple(plan.lineage) + tuple(plan.interior):
+        if entry.logical not in inputs:
+            continue
+        cuts = [(dim, factors) for dim, factors in entry.slice if TP in factors]
+        if not cuts:
+            continue
+        dim, factors = cuts[0]
+        size = shapes[entry.logical][dim]
+        tag = TpTag(dim, size // count, count) if len(cuts) == 1 and tuple(factors) == (TP,) and \
+            size % count == 0 and not entry.partial else None
+        if found.setdefault(entry.logical, tag) != tag:
+            found[entry.logical] = None
+    return {name: tag for name, tag in found.items() if tag is not None}
+
+
+def _derived(graph: Graph, shapes, seeds: dict[str, TpTag], count: int):
+    """The tags grown from `seeds` over the graph (a `TpBlocks`), or (the seeds to drop, why) at the first op that
+    cannot be shown to commute with permuting blocks."""
+    tags: dict[str, TpTag] = dict(seeds)
+    origin: dict[str, frozenset[str]] = {name: frozenset({name}) for name in seeds}
+    sums: set[str] = set()
+    for node in graph.nodes:
+        ins = [tags.get(a) for a in node.args]
+        if all(t is None for t in ins):
+            continue
+        out = derived_tag(node, ins, [shapes[a] for a in node.args], shapes[node.name])
+        if isinstance(out, str):
+            refused = frozenset().union(*(origin[a] for a, t in zip(node.args, ins) if t is not None))
+            return refused, f"logical op {node.name} = {node.op}(...): {out}"
+        reached = frozenset().union(*(origin[a] for a, t in zip(node.args, ins) if t is not None))
+        if out is None:
+            if node.op in SUMS or node.op in (Op.MM, Op.BMM, Op.ADDMM):
+                sums.add(node.name)
+            continue
+        tags[node.name] = out
+        origin[node.name] = reached
+    return TpBlocks(tags, count, frozenset(seeds), sums)
+
+
+def derived_tag(node: Node, ins: list, arg_shapes: list, out_shape: tuple[int, ...]) -> TpTag | None | str:
+    """The tag of `node`'s output, given its arguments' (`ins`; one at least), under which the op commutes with
+    permuting blocks: a TpTag, None (a contribution sum or max over the blocks: the same whatever the order),
+    or why it may not (str)."""
+    op, nd = node.op, len(out_shape)
+    if op in ELEMENTWISE or op == Op.EXPAND:
+        return _broadcast_tag(ins, arg_shapes, out_shape)
+    if op == Op.FULL_LIKE:                  # a constant: every element the same, so any tag holds
+        return ins[0]
+    if op in RESHAPES:
+        return _reshaped_tag(ins[0], arg_shapes[0], out_shape) or "a reshape splits the blocks"
+    if op == Op.TRANSPOSE:
+        d0, d1 = (norm_dim(node.attr[k], nd, "transpose") for k in ("dim0", "dim1"))
+        d = ins[0].dim
+        return TpTag(d1 if d == d0 else d0 if d == d1 else d, ins[0].q, ins[0].period)
+    if op == Op.PERMUTE:
+        order = [norm_dim(d, nd, "permute") for d in node.attr["dims"]]
+        return TpTag(order.index(ins[0].dim), ins[0].q, ins[0].period)
+    if op in ALONG:
+        ndim = len(arg_shapes[0])
+        along = norm_dim(node.attr["dim"], ndim, str(op))
+        if any(t is not None and t.dim == along for t in ins):
+            return f"{op} along the tp blocks"
+        if any(t != ins[0] for t in ins) and op != Op.TOPK_MASK:
+            return f"{op} mixes tensors with and without tp blocks"
+        if op == Op.SELECT:
+            return TpTag(ins[0].dim - (along < ins[0].dim), ins[0].q, ins[0].period)
+        return ins[0]
+    if op in SUMS or op == Op.AMAX:
+        ndim = len(arg_shapes[0])
+        reduced = sorted({norm_dim(d, ndim, str(op)) for d in node.attr.get("dims") or range(ndim)})
+        t = ins[0]
+        if t.dim in reduced:
+            return None
+        dim = t.dim if node.attr.get("keepdim") else t.dim - sum(d < t.dim for d in reduced)
+        return TpTag(dim, t.q, t.period)
+    if op in (Op.MM, Op.BMM):
+        return _product_tag(op, ins[0], ins[1])
+    if op == Op.ADDMM:
+        product = _product_tag(Op.MM, ins[1], ins[2])
+        if isinstance(product, str):
+            return product
+        bias = _broadcast_tag([ins[0], product], [arg_shapes[0], out_shape], out_shape)
+        return bias if isinstance(bias, str) or bias == product else "addmm adds a bias whose blocks differ"
+    return f"{op} is not known to commute with permuting tp blocks"
+
+
+def _broadcast_tag(ins: list, arg_shapes: list, out_shape: tuple[int, ...]) -> TpTag | None | str:
+    """An elementwise op's (or expand's) tag: every tagged argument's, aligned from the right, the same; every
+    untagged argument broadcast along it."""
+    found = None
+    for t, shape in zip(ins, arg_shapes):
+        if t is None:
+            continue
+        moved = TpTag(t.dim + len(out_shape) - len(shape), t.q, t.period)
+        if found not in (None, moved):
+            return "arguments hold tp blocks on different dims"
+        found = moved
+    if found is None:
+        return None
+    for t, shape in zip(ins, arg_shapes):
+        at = found.dim - (len(out_shape) - len(shape))
+        if t is None and at >= 0 and shape[at] != 1:
+            return "an argument without tp blocks spans them"
+    return found
+
+
+def _reshaped_tag(tag: TpTag, src: tuple[int, ...], dst: tuple[int, ...]) -> TpTag | None:
+    """Where a reshape (row-major, the same elements) puts the blocks: in flat terms block ``(f // s) % period``
+    with stride ``s = q · (elements inside dim)``; the dim of `dst` whose stride divides s and whose extent holds a
+    whole number of periods keeps it (None: the block digit straddles dims)."""
+    stride = tag.q * int(np.prod(src[tag.dim + 1:], dtype=np.int64))
+    for d in range(len(dst)):
+        inner = int(np.prod(dst[d + 1:], dtype=np.int64))
+        if inner and stride % inner == 0 and inner <= stride:
+            q = stride // inner
+            if dst[d] % (q * tag.period) == 0:
+                return TpTag(d, q, tag.period)
+    return None
+
+
+def _product_tag(op: Op, x: TpTag | None, y: TpTag | None) -> TpTag | None | str:
+    """The blocks of mm(x, y) / bmm(x, y): x's rows', y's columns', a shared batch's, or none (a contraction over
+    the blocks on both sides alike: a sum)."""
+    lo = 1 if op == Op.BMM else 0
+    if op == Op.BMM and (x is not None and x.dim == 0 or y is not None and y.dim == 0):
+        return x if x == y else "bmm batches hold tp blocks on one side only"
+    if x is not None and y is not None:
+        if x.dim == lo + 1 and y.dim == lo and (x.q, x.period) == (y.q, y.period):
+            return None
+        return f"{op} operands hold tp blocks on dims that do not line up"
+    if x is not None:
+        return TpTag(x.dim, x.q, x.period) if x.dim == lo else f"{op} contracts over blocks of one operand only"
+    return TpTag(lo + 1, y.q, y.period) if y.dim == lo + 1 else f"{op} contracts over blocks of one operand only"
+
+
+__all__ = ["TpTag", "TpBlocks", "derived_tag", "TP"]
