@@ -8,7 +8,7 @@ import pytest
 from tv_ray import api
 from tv_ray.errors import Asymmetric
 from tv_ray.ir import Node
-from tv_ray.partition.tp_blocks import TpBlocks, TpTag, derived_tag
+from tv_ray.partition.tp_blocks import Spans, TpBlocks, TpTag, derived_tag
 from tv_ray.reduce import reduce_plan
 from tv_ray.semantics.interpret import run_graph
 from tv_ray.simulate import draw_inputs
@@ -120,10 +120,14 @@ def test_ops_that_read_along_the_blocks_are_refused_with_the_reason():
         "_softmax along the tp blocks"
     assert derived_tag(_node("mm"), [tag, None], [(3, 4), (4, 5)], (3, 5)) == \
         "mm contracts over blocks of one operand only"
+    # an untagged argument spanning the blocks: refused, unless it is an expand along them (`Spans` says which
+    # argument and the tag it would need)
     assert derived_tag(_node("add"), [tag, None], [(3, 4), (3, 4)], (3, 4)) == \
-        "an argument without tp blocks spans them"
-    assert derived_tag(_node("cat", dim=0), [tag, None], [(3, 4), (3, 4)], (6, 4)) == \
-        "cat mixes tensors with and without tp blocks"
+        Spans(1, tag, "an argument without tp blocks spans them")
+    assert derived_tag(_node("cat", dim=0), [None, tag], [(3, 4), (3, 4)], (6, 4)) == \
+        Spans(0, tag, "cat mixes tensors with and without tp blocks")
+    assert derived_tag(_node("cat", dim=2), [TpTag(0, 1, 3), tag], [(3, 4, 2), (3, 4, 2)], (3, 4, 4)) == \
+        "cat mixes tensors with tp blocks on different dims"
     # a contraction over the blocks of both operands alike is a sum; a broadcast operand is fine
     assert derived_tag(_node("mm"), [tag, TpTag(0, 2, 2)], [(3, 4), (4, 5)], (3, 5)) is None
     assert derived_tag(_node("mm"), [TpTag(1, 2, 2), TpTag(0, 1, 2)], [(3, 4), (4, 5)], (3, 5)) == \
@@ -145,6 +149,21 @@ def test_a_reshape_keeps_the_block_digit_where_it_lands_on_one_dim(src, tag, dst
         before = (np.unravel_index(flat, src)[tag.dim] // tag.q) % tag.period
         after = (np.unravel_index(flat, dst)[want.dim] // want.q) % want.period
         assert (before == after).all()
+
+
+def test_an_expand_along_the_heads_takes_the_blocks_its_reader_needs():
+    """DeepSeek's rotary key is one for every head: expanded to the heads and joined to each head's own key. The
+    expand is the same along the heads, so it may take the heads' blocks — and then the attention, its projections
+    and their gradients keep theirs (without it the join refused every attention weight)."""
+    plan, dims = _plan("deepseek-tiny", "dp=2,tp=2,ep=2")
+    blocks = TpBlocks.of(plan, dims)
+    nodes = {n.name: n for n in plan.logical.nodes}
+    joins = [n for n in plan.logical.nodes if n.op.value == "cat" and n.name in blocks.tags and
+             any(nodes.get(a) is not None and nodes[a].op.value == "expand" and a in blocks.tags for a in n.args)]
+    assert joins
+    assert not [s for s in blocks.dropped if "attn" in s]
+    assert {"layers.0.attn.q_b_proj.weight", "layers.0.attn.kv_b_proj.weight",
+            "layers.0.attn.o_proj.weight"} <= set(blocks.tags)
 
 
 def test_a_plan_without_tp_has_no_blocks():

@@ -22,6 +22,10 @@ names or shapes:
 - elementwise ops, views, transposes, expands, slices and joins along other
   dims carry a tag to the dim holding the block digit — a reshape keeps it
   where the digit's stride lands on one dim (`_reshaped_tag`);
+- an expand that repeats an untagged tensor along a dim (the same element
+  everywhere there) takes the tag a reader needs on that dim (`Demand`):
+  permuting its blocks leaves it as it is — DeepSeek's rotary key, one for
+  every head, joined to each head's own key;
 - a matrix product carries its rows' or columns' tag; one that contracts over
   blocks on both sides alike, and a sum over the blocks, is a *contribution
   sum* (`TpBlocks.sums`): untagged, the sum over blocks of each block's share;
@@ -45,6 +49,7 @@ when that one is — the renaming these tags are for, not made yet
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -71,6 +76,31 @@ class TpTag:
     period: int
 
 
+class Spans(NamedTuple):
+    """`derived_tag`'s refusal where an untagged argument spans the blocks: which one, the tag it would need there,
+    and the reason given when it cannot take that tag."""
+
+    arg: int
+    tag: TpTag
+    why: str
+
+
+class Demand(NamedTuple):
+    """An expand constant along the blocks (its argument broadcast there) that a reader needs tagged: it may take
+    any tag there, so it takes `tag`, grown from `seeds`."""
+
+    name: str
+    tag: TpTag
+    seeds: frozenset[str]
+
+
+class Refusal(NamedTuple):
+    """The seeds that reached an op that cannot be shown to commute with permuting blocks, and why."""
+
+    seeds: frozenset[str]
+    why: str
+
+
 @dataclass
 class TpBlocks:
     """The logical tensors cut into tp blocks (`tags`), proved to commute with permuting blocks (`of`)."""
@@ -93,17 +123,24 @@ class TpBlocks:
         shapes |= {n.name: tuple(instantiate_shape(n.shape, dims)) for n in graph.nodes}
         seeds = _seeds(plan, shapes, count)
         dropped: dict[str, str] = {}
+        demands: dict[str, Demand] = {}
         while True:
-            found = _derived(graph, shapes, seeds, count)
-            if isinstance(found, TpBlocks):
-                found.dropped = dropped
-                if not found.tags:
-                    raise Asymmetric("no logical tensor keeps a tp block: " +
-                                     "; ".join(f"{s}: {why}" for s, why in sorted(dropped.items())[:3]))
-                return found
-            refused, why = found
-            dropped |= {seed: why for seed in refused}
-            seeds = {s: t for s, t in seeds.items() if s not in refused}
+            found = _derived(graph, shapes, seeds, count, demands)
+            if isinstance(found, Demand):
+                if found.name in demands:       # a demand made is a tag given: its readers cannot ask again
+                    raise AssertionError(f"tp blocks: {found.name} asked for twice")
+                demands[found.name] = found
+                continue
+            if isinstance(found, Refusal):
+                dropped |= {seed: found.why for seed in found.seeds}
+                seeds = {s: t for s, t in seeds.items() if s not in found.seeds}
+                demands = {n: d for n, d in demands.items() if not d.seeds & found.seeds}
+                continue
+            found.dropped = dropped
+            if not found.tags:
+                raise Asymmetric("no logical tensor keeps a tp block: " +
+                                 "; ".join(f"{s}: {why}" for s, why in sorted(dropped.items())[:3]))
+            return found
 
 
 def _seeds(plan: Plan, shapes: dict[str, tuple[int, ...]], count: int) -> dict[str, TpTag]:
@@ -126,21 +163,32 @@ def _seeds(plan: Plan, shapes: dict[str, tuple[int, ...]], count: int) -> dict[s
     return {name: tag for name, tag in found.items() if tag is not None}
 
 
-def _derived(graph: Graph, shapes, seeds: dict[str, TpTag], count: int):
-    """The tags grown from `seeds` over the graph (a `TpBlocks`), or (the seeds to drop, why) at the first op that
-    cannot be shown to commute with permuting blocks."""
+def _derived(graph: Graph, shapes, seeds: dict[str, TpTag], count: int, demands: dict[str, Demand]):
+    """The tags grown from `seeds` over the graph (a `TpBlocks`) with the expands `demands` tag; or, at the first op
+    that needs an expand constant along the blocks tagged, that `Demand`; or, at the first op that cannot be shown
+    to commute with permuting blocks, the `Refusal` of the seeds that reached it."""
     tags: dict[str, TpTag] = dict(seeds)
     origin: dict[str, frozenset[str]] = {name: frozenset({name}) for name in seeds}
     sums: set[str] = set()
+    uniform: dict[str, frozenset[int]] = {}      # untagged expands -> the dims they broadcast along
     for node in graph.nodes:
+        if node.name in demands:
+            tags[node.name], origin[node.name] = demands[node.name].tag, demands[node.name].seeds
+            continue
         ins = [tags.get(a) for a in node.args]
         if all(t is None for t in ins):
+            if node.op == Op.EXPAND:
+                uniform[node.name] = _broadcast_dims(shapes[node.args[0]], shapes[node.name])
             continue
-        out = derived_tag(node, ins, [shapes[a] for a in node.args], shapes[node.name])
-        if isinstance(out, str):
-            refused = frozenset().union(*(origin[a] for a, t in zip(node.args, ins) if t is not None))
-            return refused, f"logical op {node.name} = {node.op}(...): {out}"
         reached = frozenset().union(*(origin[a] for a, t in zip(node.args, ins) if t is not None))
+        out = derived_tag(node, ins, [shapes[a] for a in node.args], shapes[node.name])
+        if isinstance(out, Spans):
+            arg = node.args[out.arg]
+            if out.tag.dim in uniform.get(arg, ()):
+                return Demand(arg, out.tag, reached)
+            out = out.why
+        if isinstance(out, str):
+            return Refusal(reached, f"logical op {node.name} = {node.op}(...): {out}")
         if out is None:
             if node.op in SUMS or node.op in (Op.MM, Op.BMM, Op.ADDMM):
                 sums.add(node.name)
@@ -150,10 +198,10 @@ def _derived(graph: Graph, shapes, seeds: dict[str, TpTag], count: int):
     return TpBlocks(tags, count, frozenset(seeds), sums)
 
 
-def derived_tag(node: Node, ins: list, arg_shapes: list, out_shape: tuple[int, ...]) -> TpTag | None | str:
+def derived_tag(node: Node, ins: list, arg_shapes: list, out_shape: tuple[int, ...]) -> TpTag | None | str | Spans:
     """The tag of `node`'s output, given its arguments' (`ins`; one at least), under which the op commutes with
     permuting blocks: a TpTag, None (a contribution sum or max over the blocks: the same whatever the order),
-    or why it may not (str)."""
+    why it may not (str), or `Spans` where an untagged argument spans the blocks (it would need a tag)."""
     op, nd = node.op, len(out_shape)
     if op in ELEMENTWISE or op == Op.EXPAND:
         return _broadcast_tag(ins, arg_shapes, out_shape)
@@ -173,8 +221,11 @@ def derived_tag(node: Node, ins: list, arg_shapes: list, out_shape: tuple[int, .
         along = norm_dim(node.attr["dim"], ndim, str(op))
         if any(t is not None and t.dim == along for t in ins):
             return f"{op} along the tp blocks"
-        if any(t != ins[0] for t in ins) and op != Op.TOPK_MASK:
-            return f"{op} mixes tensors with and without tp blocks"
+        tagged = next(t for t in ins if t is not None)
+        if any(t not in (None, tagged) for t in ins):
+            return f"{op} mixes tensors with tp blocks on different dims"
+        if None in ins:
+            return Spans(ins.index(None), tagged, f"{op} mixes tensors with and without tp blocks")
         if op == Op.SELECT:
             return TpTag(ins[0].dim - (along < ins[0].dim), ins[0].q, ins[0].period)
         return ins[0]
@@ -193,11 +244,13 @@ def derived_tag(node: Node, ins: list, arg_shapes: list, out_shape: tuple[int, .
         if isinstance(product, str):
             return product
         bias = _broadcast_tag([ins[0], product], [arg_shapes[0], out_shape], out_shape)
+        if isinstance(bias, Spans):             # the bias (argument 0) would need a tag, or the product would
+            return bias if bias.arg == 0 else bias.why
         return bias if isinstance(bias, str) or bias == product else "addmm adds a bias whose blocks differ"
     return f"{op} is not known to commute with permuting tp blocks"
 
 
-def _broadcast_tag(ins: list, arg_shapes: list, out_shape: tuple[int, ...]) -> TpTag | None | str:
+def _broadcast_tag(ins: list, arg_shapes: list, out_shape: tuple[int, ...]) -> TpTag | None | str | Spans:
     """An elementwise op's (or expand's) tag: every tagged argument's, aligned from the right, the same; every
     untagged argument broadcast along it."""
     found = None
@@ -210,11 +263,17 @@ def _broadcast_tag(ins: list, arg_shapes: list, out_shape: tuple[int, ...]) -> T
         found = moved
     if found is None:
         return None
-    for t, shape in zip(ins, arg_shapes):
+    for i, (t, shape) in enumerate(zip(ins, arg_shapes)):
         at = found.dim - (len(out_shape) - len(shape))
         if t is None and at >= 0 and shape[at] != 1:
-            return "an argument without tp blocks spans them"
+            return Spans(i, TpTag(at, found.q, found.period), "an argument without tp blocks spans them")
     return found
+
+
+def _broadcast_dims(src: tuple[int, ...], dst: tuple[int, ...]) -> frozenset[int]:
+    """The dims along which an expand of `src` to `dst` repeats its argument (every element there the same)."""
+    lead = len(dst) - len(src)
+    return frozenset(d for d in range(len(dst)) if dst[d] > 1 and (d < lead or src[d - lead] == 1))
 
 
 def _reshaped_tag(tag: TpTag, src: tuple[int, ...], dst: tuple[int, ...]) -> TpTag | None:
