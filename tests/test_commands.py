@@ -199,6 +199,45 @@ def test_ctrl_c_ends_with_130_and_the_resume_command_not_a_traceback(tmp_path):
                         f"continue with `tv-ray verify --resume {out}`\n")
 
 
+STUCK = """
+import ctypes, subprocess, sys
+from tv_ray.commands import Interrupts
+child = subprocess.Popen(["sleep", "1000"])
+print(child.pid, flush=True)
+with Interrupts("verify", lambda: print("resume hint", file=sys.stderr), grace_s=1.0):
+    mutex = ctypes.create_string_buffer(64)     # a pthread mutex, statically initialised: all zero bytes
+    libc = ctypes.CDLL(None)
+    libc.pthread_mutex_lock(mutex)
+    print("locked", flush=True)
+    libc.pthread_mutex_lock(mutex)              # waits forever in native code: Python's handler never runs
+"""
+
+
+def test_a_ctrl_c_the_main_thread_never_sees_still_ends_the_command(tmp_path):
+    """Ray's driver start can sit in native code that never returns to Python (a GCS connect a Ctrl-C caught half
+    started), so Python's handler never runs: the watcher ends the command — the message, the resume hint, the
+    processes below it (Ray's) killed, exit 130."""
+    run = subprocess.Popen([sys.executable, "-c", STUCK], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=ENV)
+    child = int(run.stdout.readline())
+    assert run.stdout.readline().strip() == "locked"
+    run.send_signal(signal.SIGINT)
+    _, err = run.communicate(timeout=60)
+    assert run.returncode == 130, err
+    assert err.splitlines() == ["tv-ray verify: interrupted", "resume hint"]
+    deadline = time.monotonic() + 20
+    while Path(f"/proc/{child}").exists() and "Z" not in _state(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not Path(f"/proc/{child}").exists() or "Z" in _state(child)
+
+
+def _state(pid: int) -> str:
+    try:
+        return next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("State"))
+    except (OSError, StopIteration):
+        return "gone"
+
+
 def test_a_ctrl_c_python_drops_in_a_weakref_callback_is_raised_again(monkeypatch):
     """Python drops an exception raised inside a weakref callback: a Ctrl-C landing there is remembered by
     `Interrupts` and raised at its `check` (the verify command checks before it saves), and not printed as

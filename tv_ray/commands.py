@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -34,6 +35,7 @@ from tv_ray.simulate import parse_dims
 EXIT = {"proved": 0, "refuted": 1, "unknown": 2}
 INTERRUPTED = 130         # Ctrl-C: 128 + SIGINT, as shells report it — never "refuted"
 STOP_S = 60.0             # how long a Ctrl-C waits for Ray to stop before killing its processes
+STUCK_S = 30.0            # how long a Ctrl-C waits for the main thread to see it (`Interrupts`)
 
 
 def _one_line(err: Exception) -> str:
@@ -130,13 +132,29 @@ class Interrupts:
     """Ctrl-C raises KeyboardInterrupt, as Python's own handler does, and is remembered: Python drops an
     exception raised inside a weakref callback or `__del__` (the term table's are hot: `tv_ray.terms.term`),
     so a Ctrl-C landing there would be lost and the run go on to its end; `check` raises it again. Python would
-    also print the dropped one with its traceback ("Exception ignored in ..."): that one is kept quiet."""
+    also print the dropped one with its traceback ("Exception ignored in ..."): that one is kept quiet.
+
+    Python runs the handler only when the main thread is back in Python. Ray's driver start can sit in native
+    code that never returns — connecting to a local GCS that a Ctrl-C caught half started (seen in CI: still
+    waiting nine minutes on): so the signal also wakes a watcher (`signal.set_wakeup_fd`), and where the main
+    thread has not seen it within `grace_s`, the watcher ends the command as the handler's path would — `tv-ray
+    NAME: interrupted`, `hint` (where the run can resume), every process below this one killed (the Ray it was
+    starting) — and exits with 130 at once."""
+
+    def __init__(self, name: str = "", hint=None, grace_s: float = STUCK_S):
+        self.name, self.hint, self.grace_s = name, hint, grace_s
 
     def __enter__(self) -> "Interrupts":
         self.seen, self.previous, self.hook = False, None, sys.unraisablehook
+        self._woken = self._wakeup = None
         if threading.current_thread() is threading.main_thread():
             self.previous = signal.signal(signal.SIGINT, self._interrupted)
             sys.unraisablehook = self._dropped
+            self._woken, writer = socket.socketpair()
+            writer.setblocking(False)
+            self._wakeup = writer
+            self._earlier = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+            threading.Thread(target=self._watch, args=(self._woken,), name="ctrl-c", daemon=True).start()
         return self
 
     def _interrupted(self, signum, frame):
@@ -147,12 +165,37 @@ class Interrupts:
         if not (self.seen and isinstance(unraisable.exc_value, KeyboardInterrupt)):
             self.hook(unraisable)
 
+    def _watch(self, woken: socket.socket) -> None:
+        """Wait for a Ctrl-C's wakeup byte; end the command where the main thread does not see it in time."""
+        while True:
+            try:
+                got = woken.recv(64)
+            except OSError:
+                return
+            if not got:
+                return                          # the block ended (`__exit__` closed the writer)
+            if signal.SIGINT not in got:
+                continue
+            deadline = time.monotonic() + self.grace_s
+            while not self.seen and self._wakeup is not None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if not self.seen and self._wakeup is not None:
+                print(f"tv-ray {self.name}: interrupted" if self.name else "tv-ray: interrupted", file=sys.stderr)
+                _kill_descendants()
+                if self.hint is not None:
+                    self.hint()
+                sys.stderr.flush()
+                os._exit(INTERRUPTED)
+
     def check(self) -> None:
         if self.seen:
             raise KeyboardInterrupt
 
     def __exit__(self, *exc) -> None:
         if self.previous is not None:
+            signal.set_wakeup_fd(self._earlier)
+            writer, self._wakeup = self._wakeup, None
+            writer.close()
             signal.signal(signal.SIGINT, self.previous)
             sys.unraisablehook = self.hook
 
@@ -188,7 +231,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return 2
     started = time.perf_counter()
     try:
-        with Interrupts() as interrupts:
+        with Interrupts("verify", lambda: _resume_hint(args.output)) as interrupts:
             result = verify(args.plan or args.model, args.parallel, optim=args.optim, clip=args.clip, sp=args.sp,
                             zero=args.zero, dims=parse_dims(args.dims) or None, tied=args.tied, masked=args.masked,
                             solvers=args.solvers, timeout=args.timeout,
@@ -247,12 +290,17 @@ def _stop_ray(wait_s: float = STOP_S) -> bool:
     stopper.join(wait_s)
     if not stopper.is_alive():
         return True
+    _kill_descendants()
+    return False
+
+
+def _kill_descendants() -> None:
+    """Kill every process below this one."""
     for pid in _descendants(os.getpid()):
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:        # gone already
             pass
-    return False
 
 
 def _shutdown(ray) -> None:
@@ -284,7 +332,7 @@ def _descendants(pid: int) -> list[int]:
 def cmd_check(args: argparse.Namespace) -> int:
     from tv_ray.certificate import check_certificate
     try:
-        with Interrupts() as interrupts:
+        with Interrupts("check") as interrupts:
             report = check_certificate(args.out, sample=args.sample, solvers=args.solvers, timeout_s=args.timeout,
                                        allow_same_method=args.allow_same_method,
                                        progress=False if args.quiet else None, workers=args.jobs)
