@@ -202,7 +202,7 @@ def test_ctrl_c_ends_with_130_and_the_resume_command_not_a_traceback(tmp_path):
 STUCK = """
 import ctypes, subprocess, sys
 from tv_ray.commands import Interrupts
-child = subprocess.Popen(["sleep", "1000"])
+child = subprocess.Popen(["sleep", "1000"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 print(child.pid, flush=True)
 with Interrupts("verify", lambda: print("resume hint", file=sys.stderr), grace_s=1.0):
     mutex = ctypes.create_string_buffer(64)     # a pthread mutex, statically initialised: all zero bytes
@@ -221,6 +221,10 @@ def test_a_ctrl_c_the_main_thread_never_sees_still_ends_the_command(tmp_path):
                            env=ENV)
     child = int(run.stdout.readline())
     assert run.stdout.readline().strip() == "locked"
+    deadline = time.monotonic() + 20       # the main thread in the second lock (a SIGINT before it reaches Python)
+    while "futex" not in _read(f"/proc/{run.pid}/task/{run.pid}/wchan") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)
     run.send_signal(signal.SIGINT)
     _, err = run.communicate(timeout=60)
     assert run.returncode == 130, err
@@ -229,6 +233,38 @@ def test_a_ctrl_c_the_main_thread_never_sees_still_ends_the_command(tmp_path):
     while Path(f"/proc/{child}").exists() and "Z" not in _state(child) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not Path(f"/proc/{child}").exists() or "Z" in _state(child)
+
+
+FORKED = """
+import os, signal, sys, time
+from tv_ray.commands import Interrupts
+with Interrupts("verify", grace_s=1.0):
+    child = os.fork()
+    if child == 0:                      # a forked worker interrupted alone (its own Ctrl-C)
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        except KeyboardInterrupt:
+            os._exit(7)
+        os._exit(0)
+    _, status = os.waitpid(child, 0)
+    time.sleep(3)                       # the watcher would have ended this process by now
+print(os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+
+def test_a_forked_worker_s_own_ctrl_c_does_not_end_the_command():
+    """A process forked inside the block (stage generation's workers) drops the wakeup socket: its Ctrl-C is its
+    own, and must not wake the watcher of the command, which never got one."""
+    run = subprocess.run([sys.executable, "-c", FORKED], capture_output=True, text=True, timeout=60, env=ENV)
+    assert (run.returncode, run.stdout.strip()) == (0, "7"), run.stderr
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
 
 
 def _state(pid: int) -> str:

@@ -154,6 +154,7 @@ class Interrupts:
             writer.setblocking(False)
             self._wakeup = writer
             self._earlier = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+            _forgotten_in_forks()
             threading.Thread(target=self._watch, args=(self._woken,), name="ctrl-c", daemon=True).start()
         return self
 
@@ -167,15 +168,17 @@ class Interrupts:
 
     def _watch(self, woken: socket.socket) -> None:
         """Wait for a Ctrl-C's wakeup byte; end the command where the main thread does not see it in time."""
-        while True:
-            try:
-                got = woken.recv(64)
-            except OSError:
-                return
-            if not got:
-                return                          # the block ended (`__exit__` closed the writer)
-            if signal.SIGINT not in got:
-                continue
+        with woken:
+            while self._watched(woken):
+                pass
+
+    def _watched(self, woken: socket.socket) -> bool:
+        """One wakeup: False once the block has ended (`__exit__` closed the writer)."""
+        try:
+            got = woken.recv(64)
+        except OSError:
+            return False
+        if got and signal.SIGINT in got:
             deadline = time.monotonic() + self.grace_s
             while not self.seen and self._wakeup is not None and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -186,6 +189,7 @@ class Interrupts:
                     self.hint()
                 sys.stderr.flush()
                 os._exit(INTERRUPTED)
+        return bool(got)
 
     def check(self) -> None:
         if self.seen:
@@ -198,6 +202,24 @@ class Interrupts:
             writer.close()
             signal.signal(signal.SIGINT, self.previous)
             sys.unraisablehook = self.hook
+
+
+_FORKS_FORGET: list[bool] = []
+
+
+def _forgotten_in_forks() -> None:
+    """A process forked from this one (stage generation's workers) drops the wakeup socket: its own Ctrl-C must
+    not wake this process's watcher, which would wait for a signal this process never got."""
+    if not _FORKS_FORGET:
+        _FORKS_FORGET.append(True)
+        os.register_at_fork(after_in_child=_forget_wakeup)
+
+
+def _forget_wakeup() -> None:
+    try:
+        signal.set_wakeup_fd(-1)
+    except ValueError:          # forked from another thread than the main one: no wakeup fd to drop there
+        pass
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

@@ -113,7 +113,7 @@ class TpBlocks:
 
     @staticmethod
     def of(plan: Plan, dims: dict[str, int]) -> "TpBlocks":
-        """The shard tags of `plan`'s logical graph at `dims`; Asymmetric when the plan has no tp axis or no
+        """The tp tags of `plan`'s logical graph at `dims`; Asymmetric when the plan has no tp axis or no
         tensor keeps a tag."""
         count = plan.axis_sizes.get(TP, 1)
         if count < 2:
@@ -172,12 +172,11 @@ def _derived(graph: Graph, shapes, seeds: dict[str, TpTag], count: int, demands:
     sums: set[str] = set()
     uniform: dict[str, frozenset[int]] = {}      # untagged expands -> the dims they broadcast along
     for node in graph.nodes:
-        if node.name in demands:
-            tags[node.name], origin[node.name] = demands[node.name].tag, demands[node.name].seeds
-            continue
         ins = [tags.get(a) for a in node.args]
         if all(t is None for t in ins):
-            if node.op == Op.EXPAND:
+            if node.name in demands:        # an expand of an untagged tensor, still: the same along the blocks
+                tags[node.name], origin[node.name] = demands[node.name].tag, demands[node.name].seeds
+            elif node.op == Op.EXPAND:
                 uniform[node.name] = _broadcast_dims(shapes[node.args[0]], shapes[node.name])
             continue
         reached = frozenset().union(*(origin[a] for a, t in zip(node.args, ins) if t is not None))
