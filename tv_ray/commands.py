@@ -17,6 +17,7 @@ verdict streams to out/checkpoint as it arrives.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -146,16 +147,15 @@ class Interrupts:
 
     def __enter__(self) -> "Interrupts":
         self.seen, self.previous, self.hook = False, None, sys.unraisablehook
-        self._woken = self._wakeup = None
+        self._wakeup = None
         if threading.current_thread() is threading.main_thread():
             self.previous = signal.signal(signal.SIGINT, self._interrupted)
             sys.unraisablehook = self._dropped
-            self._woken, writer = socket.socketpair()
-            writer.setblocking(False)
-            self._wakeup = writer
-            self._earlier = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+            woken, self._wakeup = socket.socketpair()
+            self._wakeup.setblocking(False)
+            self._earlier = signal.set_wakeup_fd(self._wakeup.fileno(), warn_on_full_buffer=False)
             _forgotten_in_forks()
-            threading.Thread(target=self._watch, args=(self._woken,), name="ctrl-c", daemon=True).start()
+            threading.Thread(target=self._watch, args=(woken,), name="ctrl-c", daemon=True).start()
         return self
 
     def _interrupted(self, signum, frame):
@@ -204,15 +204,11 @@ class Interrupts:
             sys.unraisablehook = self.hook
 
 
-_FORKS_FORGET: list[bool] = []
-
-
+@functools.cache
 def _forgotten_in_forks() -> None:
     """A process forked from this one (stage generation's workers) drops the wakeup socket: its own Ctrl-C must
-    not wake this process's watcher, which would wait for a signal this process never got."""
-    if not _FORKS_FORGET:
-        _FORKS_FORGET.append(True)
-        os.register_at_fork(after_in_child=_forget_wakeup)
+    not wake this process's watcher, which would wait for a signal this process never got (registered once)."""
+    os.register_at_fork(after_in_child=_forget_wakeup)
 
 
 def _forget_wakeup() -> None:
