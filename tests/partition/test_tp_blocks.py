@@ -5,12 +5,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tv_ray import api
+from tv_ray import api, models
 from tv_ray.errors import Asymmetric
 from tv_ray.ir import Node
-from tv_ray.partition.tp_blocks import Spans, TpBlocks, TpTag, derived_tag
+from tv_ray.ir.ops import RANK_DEPENDENT
+from tv_ray.partition.claims import Claim
+from tv_ray.partition.derive import derived_claims
+from tv_ray.partition.logical import LogicalTerms
+from tv_ray.partition.tp_blocks import TP, Spans, TpBlocks, TpTag, derived_tag, share
 from tv_ray.reduce import reduce_plan
-from tv_ray.semantics.interpret import run_graph
+from tv_ray.semantics.interpret import eval_node, run_graph
+from tv_ray.semantics.symbolic import eval_symbolic
+from tv_ray.terms.atom import Atom
+from tv_ray.terms.normal import prove_equal
 from tv_ray.simulate import draw_inputs
 
 
@@ -170,3 +177,132 @@ def test_a_plan_without_tp_has_no_blocks():
     plan, dims = _plan("llama3-tiny", "dp=2")
     with pytest.raises(Asymmetric, match="no tp axis"):
         TpBlocks.of(plan, dims)
+
+
+# -- shares: what a partial claim over tp holds on each rank ---------------------------------------------------------
+def _block_values(plan, dims, blocks, inputs):
+    """Every float tensor's value, and each share's block-t share for each t, at `inputs`."""
+    graph = plan.logical
+    nodes = {n.name: n for n in graph.nodes}
+    values = run_graph(graph, dims, inputs, keep=True)
+    evaluate = lambda node, args: eval_node(node, args, dims)        # noqa: E731
+    memos = [{} for _ in range(blocks.count)]
+    shares = {name: [share(blocks, nodes, name, t, values.__getitem__, evaluate, memos[t])
+                     for t in range(blocks.count)] for name in blocks.shares}
+    return values, shares
+
+
+@pytest.mark.parametrize("model,spec", [("llama3-tiny", "dp=2,tp=2,pp=2,mb=2"), ("deepseek-tiny", "dp=2,tp=2,ep=2")])
+def test_every_share_is_the_sum_of_its_blocks_shares(model, spec):
+    """A share (a contribution sum over the tp blocks, or linear in such sums alone) is the sum over t of block t's
+    share — the op on its arguments' shares, a contraction over block t's elements alone at the bottom."""
+    plan, dims = _plan(model, spec)
+    blocks = TpBlocks.of(plan, dims)
+    values, shares = _block_values(plan, dims, blocks, draw_inputs(plan.logical, dims, np.random.default_rng(2)))
+    assert len(blocks.shares) > 2 * len(blocks.sums) > 40
+    for name, parts in shares.items():
+        assert not np.allclose(parts[0], values[name]), name        # each block's share is a part, not the whole
+        assert np.allclose(sum(parts), values[name], rtol=1e-9, atol=1e-12), name
+
+
+def test_a_share_plus_a_tensor_without_blocks_is_no_share(llama):
+    """The residual stream after attention, h + o_proj(...), is no share: each block's share plus h would add h tp
+    times. Taken for one, its shares do not add up — the check above fails for it."""
+    plan, dims, blocks = llama
+    o_proj = next(n for n in plan.logical.nodes if n.op.value == "mm" and n.name in blocks.sums and
+                  "layers.0.attn.o_proj.weight" in _sources(plan, n.name))
+    view = next(n for n in plan.logical.nodes if o_proj.name in n.args)
+    residual = next(n for n in plan.logical.nodes if n.op.value == "add" and view.name in n.args)
+    assert view.name in blocks.shares and residual.name not in blocks.shares
+    wrong = TpBlocks(blocks.tags, blocks.count, blocks.seeds, blocks.sums, shares=blocks.shares | {residual.name})
+    values, shares = _block_values(plan, dims, wrong, draw_inputs(plan.logical, dims, np.random.default_rng(3)))
+    assert np.allclose(sum(shares[view.name]), values[view.name])
+    assert not np.allclose(sum(shares[residual.name]), values[residual.name])
+
+
+def test_block_0_s_share_renamed_to_block_t_is_block_t_s_share_symbolically(llama):
+    """What a stage proved for tp rank 0 gives the others: σ_t (block 0 and block t of every tagged tensor's atoms
+    swapped) takes block 0's share to block t's, and the shares sum to the tensor — checked by the normaliser on
+    terms, for the output projection (a contraction over the heads) and a share through an RMSNorm backward."""
+    plan, dims, blocks = llama
+    graph = plan.logical
+    nodes = {n.name: n for n in graph.nodes}
+    logical = LogicalTerms.build(graph, dims)
+    evaluate = lambda node, args: eval_symbolic(node, args, dims)        # noqa: E731
+    o_proj = next(n.name for n in graph.nodes if n.op.value == "mm" and n.name in blocks.sums and
+                  "layers.0.attn.o_proj.weight" in _sources(plan, n.name))
+    linear = next(n.name for n in graph.nodes if n.name in blocks.shares and n.op.value == "mul" and
+                  n.get_meta("phase") == "bwd" and all(a not in blocks.shares or a in blocks.sums or
+                                                        nodes[a].op.value in ("view", "mul") for a in n.args))
+    for name in (o_proj, linear):
+        first = share(blocks, nodes, name, 0, logical.full, evaluate).reshape(-1).tolist()
+        other = share(blocks, nodes, name, 1, logical.full, evaluate).reshape(-1).tolist()
+        whole = _unmasked(blocks, nodes, name, logical.full, evaluate).reshape(-1).tolist()
+        renamed = blocks.rename(first, 1)
+        for a, b, c, w in zip(first, renamed, other, whole):
+            assert prove_equal(b, c).proved, name
+            assert prove_equal(a + b, w).proved, name
+        assert any(not prove_equal(a, c).proved for a, c in zip(first, other)), name
+
+
+def _unmasked(blocks, nodes, name, value, evaluate, memo=None):
+    """A share's value from the same ops as its shares, its contributions over every block."""
+    memo = {} if memo is None else memo
+    if name not in memo:
+        node = nodes[name]
+        args = [_unmasked(blocks, nodes, a, value, evaluate, memo) if a in blocks.shares and
+                name not in blocks.sums else value(a) for a in node.args]
+        memo[name] = evaluate(node, args)
+    return memo[name]
+
+
+def test_a_claim_moves_from_block_0_to_block_t_inside_one_block(llama):
+    plan, dims, blocks = llama
+    name = "layers.0.attn.q_proj.weight"
+    tag = blocks.tags[name]
+    rows = Claim(name, (0, 0), (tag.q, 4))
+    assert blocks.move(rows, 1) == Claim(name, (tag.q, 0), (tag.q, 4))
+    assert blocks.move(Claim("embed.weight", (0, 0), (3, 4)), 1) == Claim("embed.weight", (0, 0), (3, 4))
+    with pytest.raises(Asymmetric, match=rf"a slice \[0, {tag.q + 1}\) of dim 0 is not inside one tp block 0 "
+                                         rf"\(blocks of {tag.q}\)"):
+        blocks.move(Claim(name, (0, 0), (tag.q + 1, 4)), 1)
+    with pytest.raises(Asymmetric, match="is not inside one tp block 0"):
+        blocks.move(Claim(name, (tag.q, 0), (tag.q, 4)), 1)          # block 1 already
+    atom = Atom(name, (1, 2))
+    assert blocks.rename_name(atom, 1) == Atom(name, (tag.q + 1, 2))
+    assert blocks.rename_name(Atom(name, (tag.q + 1, 2)), 1) == atom
+    assert blocks.rename_name(Atom("embed.weight", (1, 2)), 1) == Atom("embed.weight", (1, 2))
+
+
+@pytest.mark.parametrize("model", ["deepseek-tiny", "llama3-tiny"])
+def test_which_partial_claims_over_tp_are_shares_on_ranks_off_the_vocabulary(model):
+    """Where the shares stand for tp rank t's stages being rank 0's renamed: on the pipeline stages that never read
+    their tp coordinate (no vocabulary-parallel op), every partial claim over tp of DeepSeek is a share. Llama's
+    lowering sends the residual stream's gradient back partial over tp, so there it still holds the
+    vocabulary-parallel output layer's gradient, which no σ_t relates: those claims are no shares."""
+    config = models.get(model).with_dims(layers=4)
+    plan = api.parallelize(api.capture_step(config, optim="adamw", clip=1.0), "tp=2,pp=4", model=config)
+    dims = reduce_plan(plan).reduced
+    blocks = TpBlocks.of(plan, dims)
+    names, ids = plan.rank_programs()
+    off = {r for r in range(plan.num_ranks)
+           if not any(n.op in RANK_DEPENDENT for n in plan.programs[names[ids[r]]].nodes)}
+    assert len(off) == 4                    # the two middle stages
+    partial = {c.logical for (rank, _), c in derived_claims(plan, dims, None)[1].made.items()
+               if rank in off and c.partial and TP in c.partial}
+    assert len(partial & blocks.shares) > 20
+    others = partial - blocks.shares
+    if model == "deepseek-tiny":
+        assert not others
+        return
+    assert others
+    nodes = {n.name: n for n in plan.logical.nodes}
+    for name in others:         # each reaches lm_head's gradient through tensors neither tagged nor shares
+        seen, stack, modules = set(), [name], set()
+        while stack:
+            node = nodes.get(stack.pop())
+            if node is not None and node.name not in seen:
+                seen.add(node.name)
+                modules.add(node.get_meta("module") or "")
+                stack += [a for a in node.args if a not in blocks.shares and a not in blocks.tags]
+        assert "lm_head" in modules, name

@@ -44,7 +44,15 @@ sum over the blocks adds the same terms in another order. A stage of rank t
 whose claims are rank 0's moved from block 0 to block t on their tagged dims
 is therefore rank 0's stage with its variables renamed by σ_t, valid exactly
 when that one is — the renaming these tags are for, not made yet
-(docs/templates.md, "Tensor-parallel blocks").
+(docs/templates.md, "Tensor-parallel blocks"). `rename` and `move` are σ_t on
+atoms and on claims.
+
+A tp group's partial claim needs more: its tensor must be a *share*
+(`TpBlocks.shares`), the sum over t of σ_t of block 0's share — a contribution
+sum, or linear in such sums alone (a view, join or negation of shares, the
+sum of two, a share times or divided by a tensor σ_t fixes). Then rank t's
+part is rank 0's renamed, and block t's share (`share`) is the op on the
+arguments' shares, down to a contraction over block t's elements alone.
 """
 from __future__ import annotations
 
@@ -55,16 +63,20 @@ import numpy as np
 
 from tv_ray.errors import Asymmetric
 from tv_ray.ir import Graph, Node, Op
-from tv_ray.ir.ops import ELEMENTWISE
+from tv_ray.ir.ops import ELEMENTWISE, VIEWS
 from tv_ray.plan import Plan
 from tv_ray.semantics.shapes import norm_dim
 from tv_ray.semantics.table import instantiate_shape
+from tv_ray.terms import Kind, Term, postorder, substitute, var
+from tv_ray.terms.atom import Atom
 
 TP = "tp"
 RESHAPES = frozenset({Op.VIEW, Op.UNSQUEEZE, Op.SQUEEZE})
 ALONG = frozenset({Op.SLICE, Op.SLICE_BACKWARD, Op.SELECT, Op.CAT, Op.SOFTMAX, Op.LOG_SOFTMAX,
                    Op.SOFTMAX_BACKWARD, Op.LOG_SOFTMAX_BACKWARD, Op.TOPK_MASK})     # ops reading along `dim`
 SUMS = frozenset({Op.SUM, Op.MEAN})
+# ops linear in one argument, each output element one input element or a fixed sum of them (joins: in every one)
+MOVES = VIEWS | frozenset({Op.CLONE, Op.CAST, Op.SLICE_BACKWARD, Op.NEG})
 
 
 @dataclass(frozen=True)
@@ -110,6 +122,7 @@ class TpBlocks:
     seeds: frozenset[str]                               # the plan's inputs the tags grew from
     sums: set[str] = field(default_factory=set)         # untagged tensors summed over the blocks
     dropped: dict[str, str] = field(default_factory=dict)   # seed -> the op that refused it, and why
+    shares: set[str] = field(default_factory=set)       # tensors summed over the blocks of one block's share each
 
     @staticmethod
     def of(plan: Plan, dims: dict[str, int]) -> "TpBlocks":
@@ -137,10 +150,45 @@ class TpBlocks:
                 demands = {n: d for n, d in demands.items() if not d.seeds & found.seeds}
                 continue
             found.dropped = dropped
+            found.shares = _shares(graph, found.tags, found.sums)
             if not found.tags:
                 raise Asymmetric("no logical tensor keeps a tp block: " +
                                  "; ".join(f"{s}: {why}" for s, why in sorted(dropped.items())[:3]))
             return found
+
+    # -- σ_t: block 0 and block t swapped --------------------------------------------------------------------
+    def rename_name(self, name, t: int):
+        """The atom `name` of a tagged tensor with its block 0 and block t swapped (σ_t); any other name as it is."""
+        tag = self.tags.get(name.base) if isinstance(name, Atom) and name.idx else None
+        if tag is None or t == 0:
+            return name
+        i = name.idx[tag.dim]
+        block = (i // tag.q) % tag.period
+        by = t * tag.q if block == 0 else -t * tag.q if block == t else 0
+        return name._replace(idx=name.idx[:tag.dim] + (i + by,) + name.idx[tag.dim + 1:]) if by else name
+
+    def rename(self, terms: list, t: int) -> list:
+        """Terms with every atom renamed by σ_t."""
+        mapping: dict[Term, Term] = {}
+        for node in postorder(*[x for x in terms if isinstance(x, Term)]):
+            if node.kind is Kind.VAR and (new := self.rename_name(node.payload, t)) != node.payload:
+                mapping[node] = var(new)
+        if not mapping:
+            return list(terms)
+        memo: dict = {}
+        return [substitute(x, mapping, memo) if isinstance(x, Term) else x for x in terms]
+
+    def move(self, claim, t: int):
+        """Rank 0's claim as tp rank t's: a slice inside one block 0 of its tensor's tagged dim moved to block t
+        there (σ_t of its atoms); a claim of an untagged tensor as it is. Asymmetric for a slice across blocks."""
+        tag = self.tags.get(claim.logical)
+        if tag is None or t == 0:
+            return claim
+        lo, n = claim.offsets[tag.dim], claim.shape[tag.dim]
+        if (lo // tag.q) % tag.period or lo // tag.q != (lo + n - 1) // tag.q:
+            raise Asymmetric(f"{claim.logical}: a slice [{lo}, {lo + n}) of dim {tag.dim} is not inside one tp "
+                             f"block 0 (blocks of {tag.q})")
+        return claim.shifted(tag.dim, t * tag.q)
 
 
 def _seeds(plan: Plan, shapes: dict[str, tuple[int, ...]], count: int) -> dict[str, TpTag]:
@@ -195,6 +243,60 @@ def _derived(graph: Graph, shapes, seeds: dict[str, TpTag], count: int, demands:
         tags[node.name] = out
         origin[node.name] = reached
     return TpBlocks(tags, count, frozenset(seeds), sums)
+
+
+def _shares(graph: Graph, tags: dict[str, TpTag], sums: set[str]) -> set[str]:
+    """The tensors T that are the sum over the blocks of one block's share each, T = Σ_t T_t with T_t = σ_t(T_0):
+    a contribution sum (a contraction or sum over the blocks; restricted to block t's elements it gives T_t), and
+    what is linear in those alone — a view, join or negation of shares, a sum of two, a share scaled by, times or
+    divided by a tensor that is neither tagged nor a share (σ_t fixes it, so Σ_t σ_t(U·T_0) = U·T). Each block's
+    share of such a tensor is then the op on its arguments' shares (`share`)."""
+    shares: set[str] = set()
+    for node in graph.nodes:
+        if node.dtype == "float" and node.name not in tags and \
+                (node.name in sums and node.op in SUMS | {Op.MM, Op.BMM} or _linear(node, shares, tags)):
+            shares.add(node.name)
+    return shares
+
+
+def _linear(node: Node, shares: set[str], tags: dict[str, TpTag]) -> bool:
+    """Is the op linear in its arguments that are shares, every other one fixed by σ_t (untagged, no share)?"""
+    shared = [a in shares for a in node.args]
+    if not any(shared):
+        return False
+    op, one = node.op, sum(shared) == 1 and all(s or a not in tags for a, s in zip(node.args, shared))
+    if op in MOVES or op in SUMS or op == Op.CAT:
+        return all(shared)
+    if op in (Op.ADD, Op.SUB):
+        return all(shared) and len(shared) == 2         # (a scalar added to a share would be added tp times)
+    if op in (Op.MUL, Op.MM, Op.BMM):
+        return one
+    return op == Op.DIV and shared[0] and one
+
+
+def share(blocks: TpBlocks, nodes: dict[str, Node], name: str, t: int, value, evaluate, memo: dict | None = None):
+    """Block t's share of `name` (one of `blocks.shares`): a contraction or sum over block t's elements alone (its
+    tagged operand zero elsewhere), or the op on its arguments' shares. `value(name)`: a tensor's array (numbers
+    or terms); `evaluate(node, args)`: the op on arrays; `memo`: shares made so far, by name."""
+    memo = {} if memo is None else memo
+    if name in memo:
+        return memo[name]
+    node = nodes[name]
+    if node.op in SUMS | {Op.MM, Op.BMM} and node.name in blocks.sums:
+        at = next(i for i, a in enumerate(node.args) if a in blocks.tags)
+        args = [_in_block(value(a), blocks.tags[a], t) if i == at else value(a) for i, a in enumerate(node.args)]
+    else:
+        args = [share(blocks, nodes, a, t, value, evaluate, memo) if a in blocks.shares else value(a)
+                for a in node.args]
+    out = memo[name] = evaluate(node, args)
+    return out
+
+
+def _in_block(value: np.ndarray, tag: TpTag, t: int) -> np.ndarray:
+    """The elements of `value` in block t along its tagged dim; zero elsewhere."""
+    idx = np.arange(value.shape[tag.dim])
+    inside = ((idx // tag.q) % tag.period == t).reshape([-1 if d == tag.dim else 1 for d in range(value.ndim)])
+    return np.where(inside, value, np.zeros((), dtype=value.dtype) if value.dtype != object else 0)
 
 
 def derived_tag(node: Node, ins: list, arg_shapes: list, out_shape: tuple[int, ...]) -> TpTag | None | str | Spans:
@@ -304,4 +406,4 @@ def _product_tag(op: Op, x: TpTag | None, y: TpTag | None) -> TpTag | None | str
     return TpTag(lo + 1, y.q, y.period) if y.dim == lo + 1 else f"{op} contracts over blocks of one operand only"
 
 
-__all__ = ["TpTag", "TpBlocks", "derived_tag", "TP"]
+__all__ = ["TpTag", "TpBlocks", "derived_tag", "share", "TP"]
