@@ -9,10 +9,10 @@ from tv_ray import api, models
 from tv_ray.errors import Asymmetric
 from tv_ray.ir import Node
 from tv_ray.ir.ops import RANK_DEPENDENT
-from tv_ray.partition.claims import Claim
+from tv_ray.partition.claims import Claim, Claims
 from tv_ray.partition.derive import derived_claims
 from tv_ray.partition.logical import LogicalTerms
-from tv_ray.partition.tp_blocks import TP, Spans, TpBlocks, TpTag, derived_tag, share
+from tv_ray.partition.tp_blocks import TP, Spans, TpBlocks, TpTag, derived_tag, share, tp_mirrors
 from tv_ray.reduce import reduce_plan
 from tv_ray.semantics.interpret import eval_node, run_graph
 from tv_ray.semantics.symbolic import eval_symbolic
@@ -274,22 +274,26 @@ def test_a_claim_moves_from_block_0_to_block_t_inside_one_block(llama):
     assert blocks.rename_name(Atom("embed.weight", (1, 2)), 1) == Atom("embed.weight", (1, 2))
 
 
-@pytest.mark.parametrize("model", ["deepseek-tiny", "llama3-tiny"])
-def test_which_partial_claims_over_tp_are_shares_on_ranks_off_the_vocabulary(model):
+@pytest.fixture(scope="module", params=["deepseek-tiny", "llama3-tiny"])
+def four_stages(request):
+    """A 4-layer model at tp=2,pp=4 with its claims: two middle stages that never read their tp coordinate."""
+    config = models.get(request.param).with_dims(layers=4)
+    plan = api.parallelize(api.capture_step(config, optim="adamw", clip=1.0), "tp=2,pp=4", model=config)
+    dims = reduce_plan(plan).reduced
+    return request.param, plan, TpBlocks.of(plan, dims), derived_claims(plan, dims, None)[1]
+
+
+def test_which_partial_claims_over_tp_are_shares_on_ranks_off_the_vocabulary(four_stages):
     """Where the shares stand for tp rank t's stages being rank 0's renamed: on the pipeline stages that never read
     their tp coordinate (no vocabulary-parallel op), every partial claim over tp of DeepSeek is a share. Llama's
     lowering sends the residual stream's gradient back partial over tp, so there it still holds the
     vocabulary-parallel output layer's gradient, which no σ_t relates: those claims are no shares."""
-    config = models.get(model).with_dims(layers=4)
-    plan = api.parallelize(api.capture_step(config, optim="adamw", clip=1.0), "tp=2,pp=4", model=config)
-    dims = reduce_plan(plan).reduced
-    blocks = TpBlocks.of(plan, dims)
+    model, plan, blocks, claims = four_stages
     names, ids = plan.rank_programs()
     off = {r for r in range(plan.num_ranks)
            if not any(n.op in RANK_DEPENDENT for n in plan.programs[names[ids[r]]].nodes)}
-    assert len(off) == 4                    # the two middle stages
-    partial = {c.logical for (rank, _), c in derived_claims(plan, dims, None)[1].made.items()
-               if rank in off and c.partial and TP in c.partial}
+    assert off == {2, 3, 4, 5}                    # the two middle stages
+    partial = {c.logical for (rank, _), c in claims.made.items() if rank in off and c.partial and TP in c.partial}
     assert len(partial & blocks.shares) > 20
     others = partial - blocks.shares
     if model == "deepseek-tiny":
@@ -306,3 +310,35 @@ def test_which_partial_claims_over_tp_are_shares_on_ranks_off_the_vocabulary(mod
                 modules.add(node.get_meta("module") or "")
                 stack += [a for a in node.args if a not in blocks.shares and a not in blocks.tags]
         assert "lm_head" in modules, name
+
+
+def test_the_tp_ranks_that_mirror_tp_rank_0_and_why_the_others_do_not(four_stages):
+    model, plan, blocks, claims = four_stages
+    found = tp_mirrors(plan, blocks, claims)
+    ends = ["tp: rank 1 not stood in for: it reads its tp coordinate (embedding.flat~1 = local_chunk)",
+            "tp: rank 7 not stood in for: it reads its tp coordinate (nll_loss_forward.sum.onehot~1 = local_chunk)"]
+    if model == "deepseek-tiny":
+        assert found.rep == {3: 2, 5: 4} and found.block == {3: 1, 5: 1}
+        assert found.notes == ends
+        return
+    assert found.rep == {}
+    assert found.notes[0] == ends[0] and found.notes[-1] == ends[1]
+    assert [n.split(" not stood in for: ")[0] for n in found.notes[1:3]] == ["tp: rank 3", "tp: rank 5"]
+    assert all(n.endswith(", no share") and " is claimed partial over tp on " in n for n in found.notes[1:3])
+
+
+def test_a_tp_rank_whose_claim_is_not_rank_0_s_moved_mirrors_nothing(four_stages):
+    """Claims are the ranks' own (stated or matched by value): one that is not rank 0's moved, or missing, keeps the
+    rank out, naming the tensor."""
+    model, plan, blocks, claims = four_stages
+    if model != "deepseek-tiny":
+        return
+    weight = next(name for (rank, name), c in claims.made.items() if rank == 3 and c.logical in blocks.tags and
+                  not c.partial)
+    moved = Claims({**claims.made, (3, weight): claims.made[2, weight]})     # rank 0's own block, not block 1
+    assert tp_mirrors(plan, blocks, moved).notes[1] == \
+        f"tp: rank 3 not stood in for: its claim on {weight} is not tp rank 0's moved to block 1"
+    dropped = Claims({k: c for k, c in claims.made.items() if k != (3, weight)})
+    assert tp_mirrors(plan, blocks, dropped).notes[1] == \
+        f"tp: rank 3 not stood in for: {weight} is claimed on tp rank 0 alone"
+    assert tp_mirrors(plan, blocks, claims, others=frozenset({2})).rep == {5: 4}

@@ -63,7 +63,7 @@ import numpy as np
 
 from tv_ray.errors import Asymmetric
 from tv_ray.ir import Graph, Node, Op
-from tv_ray.ir.ops import ELEMENTWISE, VIEWS
+from tv_ray.ir.ops import ELEMENTWISE, RANK_DEPENDENT, VIEWS
 from tv_ray.plan import Plan
 from tv_ray.semantics.shapes import norm_dim
 from tv_ray.semantics.table import instantiate_shape
@@ -189,6 +189,73 @@ class TpBlocks:
             raise Asymmetric(f"{claim.logical}: a slice [{lo}, {lo + n}) of dim {tag.dim} is not inside one tp "
                              f"block 0 (blocks of {tag.q})")
         return claim.shifted(tag.dim, t * tag.q)
+
+
+@dataclass
+class TpMirrors:
+    """Tensor-parallel ranks whose stages are their representative's (tp coordinate 0) renamed by σ_t: `rep`
+    (rank -> its representative), `block` (rank -> t), and why the others are not (`notes`)."""
+
+    blocks: TpBlocks
+    rep: dict[int, int]
+    block: dict[int, int]
+    notes: list[str]
+
+
+def tp_mirrors(plan: Plan, blocks: TpBlocks, claims, others: frozenset[int] = frozenset()) -> TpMirrors:
+    """Which ranks with tp coordinate t > 0 mirror the rank with the same coordinates and tp = 0: both run one
+    program that never reads the tp coordinate, each of the representative's claims moved by σ_t is the rank's
+    claim on the same tensor (and the rank has no other), and every partial claim over tp is on a share — so
+    each of the rank's stages is the representative's renamed by σ_t. `others`: ranks mirrored otherwise (dp),
+    neither representatives nor mirrors here."""
+    names, ids = plan.rank_programs()
+    table = plan.coord_table()
+    at = plan.axes.index(TP)
+    stride = int(np.prod([n for _, n in plan.mesh][at + 1:]))
+    reads: dict[str, str] = {}
+    for name in {names[i] for i in ids}:
+        read = next((n for n in plan.programs[name].nodes if n.op in RANK_DEPENDENT and TP in n.attr.get("axes", ())),
+                    None)
+        reads[name] = "" if read is None else f"it reads its tp coordinate ({read.name} = {read.op})"
+    out, why = TpMirrors(blocks, {}, {}, []), {}
+    for rank in range(plan.num_ranks):
+        t = int(table[rank, at])
+        rep = rank - t * stride
+        if t == 0 or rank in others or rep in others:
+            continue
+        program = names[ids[rank]]
+        reason = "its program differs from tp rank 0's" if names[ids[rep]] != program else \
+            reads[program] or _unmoved(plan.programs[program], blocks, claims, rep, rank, t)
+        if reason:
+            why[rank] = reason
+        else:
+            out.rep[rank], out.block[rank] = rep, t
+    by_reason: dict[str, list[int]] = {}
+    for rank, reason in sorted(why.items()):
+        by_reason.setdefault(reason, []).append(rank)
+    out.notes = [f"tp: rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs[:8]))}"
+                 f"{f', … ({len(rs)} in all)' if len(rs) > 8 else ''} not stood in for: {reason}"
+                 for reason, rs in by_reason.items()]
+    return out
+
+
+def _unmoved(program: Graph, blocks: TpBlocks, claims, rep: int, rank: int, t: int) -> str:
+    """Why `rank`'s claims are not `rep`'s moved by σ_t, partial ones over tp on shares ('' when they are)."""
+    for name in [s.name for s in program.inputs] + [n.name for n in program.nodes]:
+        first, mine = claims.get((rep, name)), claims.get((rank, name))
+        if first is None or mine is None:
+            if first is not mine:
+                return f"{name} is claimed on {'it' if first is None else 'tp rank 0'} alone"
+            continue
+        if first.partial and TP in first.partial and first.logical not in blocks.shares:
+            return f"{name} is claimed partial over tp on {first.logical}, no share"
+        try:
+            moved = blocks.move(first, t)
+        except Asymmetric as error:
+            return f"{name}: {error}"
+        if moved != mine:
+            return f"its claim on {name} is not tp rank 0's moved to block {t}"
+    return ""
 
 
 def _seeds(plan: Plan, shapes: dict[str, tuple[int, ...]], count: int) -> dict[str, TpTag]:
@@ -406,4 +473,4 @@ def _product_tag(op: Op, x: TpTag | None, y: TpTag | None) -> TpTag | None | str
     return TpTag(lo + 1, y.q, y.period) if y.dim == lo + 1 else f"{op} contracts over blocks of one operand only"
 
 
-__all__ = ["TpTag", "TpBlocks", "derived_tag", "share", "TP"]
+__all__ = ["TpTag", "TpBlocks", "TpMirrors", "tp_mirrors", "derived_tag", "share", "TP"]
