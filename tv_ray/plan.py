@@ -247,6 +247,10 @@ class Plan:
     def num_ranks(self) -> int:
         return reduce(mul, (size for _, size in self.mesh), 1)
 
+    def stride(self, axis: str) -> int:
+        """How far apart in rank number two ranks are whose `axis` coordinates differ by one (the rest alike)."""
+        return int(np.prod([size for a, size in self.mesh][self.axes.index(axis) + 1:]))
+
     def coord_table(self) -> np.ndarray:
         """Every rank's mesh coordinates: an int array of shape (ranks, axes)."""
         if "coords" not in self._cache:

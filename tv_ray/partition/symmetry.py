@@ -304,32 +304,38 @@ class Blocks:
         """Terms (an object array or a list) with the variables of blocks [0, width) renamed to those of
         blocks [k·width, (k+1)·width) (and `extra`, a name → name function, applied after). Choices are
         renamed by their data element."""
-        from tv_ray.semantics.symbolic import Choice
         if k == 0 and extra is None:
             return terms
-        flat = list(np.asarray(terms, dtype=object).reshape(-1)) if isinstance(terms, np.ndarray) else list(terms)
-        roots = [t for t in flat if isinstance(t, Term)]
-        mapping: dict[Term, Term] = {}
-        for node in postorder(*roots):
-            if node.kind is Kind.VAR:
-                new = self.rename_name(node.payload, k, width)
-                new = extra(new) if extra else new
-                if new != node.payload:
-                    mapping[node] = var(new)
-        memo: dict = {}
-        out = []
-        for t in flat:
-            if isinstance(t, Term):
-                out.append(substitute(t, mapping, memo) if mapping else t)
-            elif isinstance(t, Choice):
-                out.append(Choice(self.rename_name(t.base, k, width), t.table))
-            else:
-                out.append(t)
-        if isinstance(terms, np.ndarray):
-            arr = np.empty(len(out), dtype=object)
-            arr[:] = out
-            return arr.reshape(terms.shape)
-        return out
+        return renamed(terms, lambda name: self.rename_name(name, k, width), extra)
+
+
+def renamed(terms, rename, extra=None):
+    """Terms (an object array or a list) with each variable's name x renamed to `rename(x)` (then to `extra` of
+    that); a data choice's by `rename` of its data element."""
+    from tv_ray.semantics.symbolic import Choice
+    flat = list(np.asarray(terms, dtype=object).reshape(-1)) if isinstance(terms, np.ndarray) else list(terms)
+    roots = [t for t in flat if isinstance(t, Term)]
+    mapping: dict[Term, Term] = {}
+    for node in postorder(*roots):
+        if node.kind is Kind.VAR:
+            new = rename(node.payload)
+            new = extra(new) if extra else new
+            if new != node.payload:
+                mapping[node] = var(new)
+    memo: dict = {}
+    out = []
+    for t in flat:
+        if isinstance(t, Term):
+            out.append(substitute(t, mapping, memo) if mapping else t)
+        elif isinstance(t, Choice):
+            out.append(Choice(rename(t.base), t.table))
+        else:
+            out.append(t)
+    if isinstance(terms, np.ndarray):
+        arr = np.empty(len(out), dtype=object)
+        arr[:] = out
+        return arr.reshape(terms.shape)
+    return out
 
 
 @dataclass
@@ -428,7 +434,7 @@ def mirrors(plan: Plan, dims: dict[str, int]) -> Mirrors:
                 raise Asymmetric(f"program {name} op {node.name} = {node.op} reads the dp coordinate")
     table, axes = plan.coord_table(), plan.axes
     dp = table[:, axes.index(DP)]
-    stride = int(np.prod([n for a, n in plan.mesh][axes.index(DP) + 1:]))
+    stride = plan.stride(DP)
     base = np.arange(plan.num_ranks) - dp * stride             # the same coordinates with dp = 0
     why: dict[int, str] = {}
     for rank in np.flatnonzero((dp > 0) & (np.asarray(ids) != np.asarray(ids)[base])):
@@ -452,11 +458,8 @@ def mirrors(plan: Plan, dims: dict[str, int]) -> Mirrors:
     for rank in np.flatnonzero(dp > 0):
         if int(rank) not in why:
             out.rep[int(rank)] = int(base[rank])
-    by_reason: dict[str, list[int]] = {}
-    for rank, reason in sorted(why.items()):
-        by_reason.setdefault(reason, []).append(rank)
-    out.notes = [f"{_ranks(rs)} {'runs' if len(rs) == 1 else 'run'} in full: {reason}"
-                 for reason, rs in by_reason.items()]
+    out.notes = [f"{ranks_text(rs)} {'runs' if len(rs) == 1 else 'run'} in full: {reason}"
+                 for reason, rs in by_reason(why).items()]
     for k in range(1, count):
         out.image[k] = {int(r): int(r + (k if dp[r] == 0 else -k) * stride)
                         for r in range(plan.num_ranks) if dp[r] in (0, k)}
@@ -490,12 +493,22 @@ def _entry_problem(plan: Plan, blocks: Blocks, width: int, entry, shapes) -> str
     return ""
 
 
-def _ranks(ranks: list[int]) -> str:
+def by_reason(why: dict[int, str]) -> dict[str, list[int]]:
+    """The ranks of each reason, in rank order (reasons in order of their first rank)."""
+    out: dict[str, list[int]] = {}
+    for rank, reason in sorted(why.items()):
+        out.setdefault(reason, []).append(rank)
+    return out
+
+
+def ranks_text(ranks: list[int]) -> str:
+    """How notes name ranks: ``rank 3``, ``ranks 1, 2``, or past eight the first eight and ``… (12 in all)``."""
     shown = ", ".join(map(str, ranks[:8])) + (f", … ({len(ranks)} in all)" if len(ranks) > 8 else "")
     return f"rank {shown}" if len(ranks) == 1 else f"ranks {shown}"
 
 
-__all__ = ["Tag", "Blocks", "Mirrors", "mirrors", "find_mirrors", "tags_of", "expected_tag", "CONTRIBUTION_SUMS"]
+__all__ = ["Tag", "Blocks", "Mirrors", "mirrors", "find_mirrors", "tags_of", "expected_tag", "CONTRIBUTION_SUMS",
+           "renamed", "by_reason", "ranks_text"]
 
 
 class Moves:

@@ -64,10 +64,10 @@ import numpy as np
 from tv_ray.errors import Asymmetric
 from tv_ray.ir import Graph, Node, Op
 from tv_ray.ir.ops import ELEMENTWISE, RANK_DEPENDENT, VIEWS
+from tv_ray.partition.symmetry import by_reason, ranks_text, renamed
 from tv_ray.plan import Plan
 from tv_ray.semantics.shapes import norm_dim
 from tv_ray.semantics.table import instantiate_shape
-from tv_ray.terms import Kind, Term, postorder, substitute, var
 from tv_ray.terms.atom import Atom
 
 TP = "tp"
@@ -75,8 +75,8 @@ RESHAPES = frozenset({Op.VIEW, Op.UNSQUEEZE, Op.SQUEEZE})
 ALONG = frozenset({Op.SLICE, Op.SLICE_BACKWARD, Op.SELECT, Op.CAT, Op.SOFTMAX, Op.LOG_SOFTMAX,
                    Op.SOFTMAX_BACKWARD, Op.LOG_SOFTMAX_BACKWARD, Op.TOPK_MASK})     # ops reading along `dim`
 SUMS = frozenset({Op.SUM, Op.MEAN})
-# ops linear in one argument, each output element one input element or a fixed sum of them (joins: in every one)
-MOVES = VIEWS | frozenset({Op.CLONE, Op.CAST, Op.SLICE_BACKWARD, Op.NEG})
+# ops linear in their one argument: each output element one input element, a fixed sum of them, or its negation
+LINEAR = VIEWS | frozenset({Op.CLONE, Op.CAST, Op.SLICE_BACKWARD, Op.NEG})
 
 
 @dataclass(frozen=True)
@@ -167,16 +167,9 @@ class TpBlocks:
         by = t * tag.q if block == 0 else -t * tag.q if block == t else 0
         return name._replace(idx=name.idx[:tag.dim] + (i + by,) + name.idx[tag.dim + 1:]) if by else name
 
-    def rename(self, terms: list, t: int) -> list:
-        """Terms with every atom renamed by σ_t."""
-        mapping: dict[Term, Term] = {}
-        for node in postorder(*[x for x in terms if isinstance(x, Term)]):
-            if node.kind is Kind.VAR and (new := self.rename_name(node.payload, t)) != node.payload:
-                mapping[node] = var(new)
-        if not mapping:
-            return list(terms)
-        memo: dict = {}
-        return [substitute(x, mapping, memo) if isinstance(x, Term) else x for x in terms]
+    def rename(self, terms, t: int):
+        """Terms (an object array or a list) with every atom renamed by σ_t."""
+        return terms if t == 0 else renamed(terms, lambda name: self.rename_name(name, t))
 
     def move(self, claim, t: int):
         """Rank 0's claim as tp rank t's: a slice inside one block 0 of its tensor's tagged dim moved to block t
@@ -211,7 +204,7 @@ def tp_mirrors(plan: Plan, blocks: TpBlocks, claims, others: frozenset[int] = fr
     names, ids = plan.rank_programs()
     table = plan.coord_table()
     at = plan.axes.index(TP)
-    stride = int(np.prod([n for _, n in plan.mesh][at + 1:]))
+    stride = plan.stride(TP)
     reads: dict[str, str] = {}
     for name in {names[i] for i in ids}:
         read = next((n for n in plan.programs[name].nodes if n.op in RANK_DEPENDENT and TP in n.attr.get("axes", ())),
@@ -230,12 +223,7 @@ def tp_mirrors(plan: Plan, blocks: TpBlocks, claims, others: frozenset[int] = fr
             why[rank] = reason
         else:
             out.rep[rank], out.block[rank] = rep, t
-    by_reason: dict[str, list[int]] = {}
-    for rank, reason in sorted(why.items()):
-        by_reason.setdefault(reason, []).append(rank)
-    out.notes = [f"tp: rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs[:8]))}"
-                 f"{f', … ({len(rs)} in all)' if len(rs) > 8 else ''} not stood in for: {reason}"
-                 for reason, rs in by_reason.items()]
+    out.notes = [f"tp: {ranks_text(rs)} not stood in for: {reason}" for reason, rs in by_reason(why).items()]
     return out
 
 
@@ -332,7 +320,7 @@ def _linear(node: Node, shares: set[str], tags: dict[str, TpTag]) -> bool:
     if not any(shared):
         return False
     op, one = node.op, sum(shared) == 1 and all(s or a not in tags for a, s in zip(node.args, shared))
-    if op in MOVES or op in SUMS or op == Op.CAT:
+    if op in LINEAR or op in SUMS or op == Op.CAT:
         return all(shared)
     if op in (Op.ADD, Op.SUB):
         return all(shared) and len(shared) == 2         # (a scalar added to a share would be added tp times)
